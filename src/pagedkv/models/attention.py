@@ -1,0 +1,121 @@
+"""Softmax-attention layers: K/V geometry (GQA/MHA or MLA latent), the DeepSeek-V3.2
+indexer cache, and the retention/mask each attention kind implies.
+
+Fields read: ``num_attention_heads``, ``num_key_value_heads`` (default: the head count),
+``head_dim`` / ``attention_head_dim`` (default: hidden_size / heads), ``kv_lora_rank`` +
+``qk_rope_head_dim`` (MLA: a latent of kv_lora_rank + rope values per token, whatever
+``mla_use_nope`` says), ``index_head_dim`` (V3.2 indexer: one fp8 key + fp32 scale per
+token), ``sliding_window``, ``attention_chunk_size``, ``attn_logit_softcapping``,
+``query_pre_attn_scalar`` (scale). Attention sinks: gpt-oss checkpoints carry per-head sink
+logits but no config field says so, so ``model_type == "gpt_oss"`` sets them (a mask flag
+only; it never changes memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pagedkv.errors import ConfigError, InvalidArgumentError
+from pagedkv.models.fields import first, model_dtype, model_type, need_int
+from pagedkv.models.pattern import CHUNKED, FULL, SLIDING
+from pagedkv.spec import (
+    Attention,
+    AttentionKV,
+    ChunkedLocal,
+    DType,
+    Full,
+    IndexerKV,
+    Layout,
+    MLALatent,
+    Retention,
+    SlidingWindow,
+    parse_dtype,
+)
+
+KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_ds_mla")
+_SINK_MODEL_TYPES = ("gpt_oss",)
+
+
+def resolve_kv_dtype(cfg: Mapping, kv_dtype: str) -> str:
+    """``auto`` -> the model dtype; aliases (``bfloat16``...) -> bf16/fp16/fp8; or fp8_ds_mla."""
+    if not isinstance(kv_dtype, str):
+        raise InvalidArgumentError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    key = kv_dtype.strip().lower()
+    if key == "fp8_ds_mla":
+        return key
+    if key == "auto":
+        dtype = model_dtype(cfg)
+    else:
+        try:
+            dtype = parse_dtype(key)
+        except ConfigError:
+            dtype = None
+    if dtype not in (DType.BF16, DType.FP16, DType.FP8):
+        raise InvalidArgumentError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return dtype.value
+
+
+def is_mla(cfg: Mapping) -> bool:
+    return cfg.get("kv_lora_rank") is not None
+
+
+def num_heads(cfg: Mapping) -> int:
+    return need_int(cfg, "num_attention_heads", why="attention geometry")
+
+
+def head_dim(cfg: Mapping) -> int:
+    explicit = first(cfg, "head_dim", "attention_head_dim")
+    if explicit is not None:
+        return need_int(cfg, "head_dim", "attention_head_dim", why="attention geometry")
+    hidden = need_int(cfg, "hidden_size", why="head_dim = hidden_size / num_attention_heads")
+    heads = num_heads(cfg)
+    if hidden % heads:
+        raise ConfigError(
+            f"no head_dim given and hidden_size {hidden} is not divisible by "
+            f"num_attention_heads {heads}"
+        )
+    return hidden // heads
+
+
+def kv_heads(cfg: Mapping) -> int:
+    if cfg.get("num_key_value_heads") is None:
+        return num_heads(cfg)
+    return need_int(cfg, "num_key_value_heads", why="attention geometry")
+
+
+def kv_layout(cfg: Mapping, fmt: str) -> Layout:
+    """Per-token K/V of one attention layer in storage format ``fmt`` (resolved)."""
+    if is_mla(cfg):
+        rank = need_int(cfg, "kv_lora_rank", why="the MLA latent")
+        rope = need_int(cfg, "qk_rope_head_dim", why="the MLA latent", minimum=0)
+        return MLALatent(rank, rope, fmt)  # type: ignore[arg-type]
+    if fmt == "fp8_ds_mla":
+        raise ConfigError("fp8_ds_mla is an MLA-only format")  # callers check first
+    return AttentionKV(kv_heads(cfg), head_dim(cfg), parse_dtype(fmt))
+
+
+def indexer_layout(cfg: Mapping) -> IndexerKV | None:
+    """DeepSeek-V3.2 sparse-attention indexer cache, when ``index_head_dim`` is set."""
+    if cfg.get("index_head_dim") is None:
+        return None
+    return IndexerKV(need_int(cfg, "index_head_dim", why="the indexer cache"))
+
+
+def retention_and_mask(cfg: Mapping, kind: str) -> tuple[Retention, Attention]:
+    """Retention and mask of an attention layer of canonical ``kind``."""
+    soft_cap = cfg.get("attn_logit_softcapping")
+    scalar = cfg.get("query_pre_attn_scalar")
+    common = {
+        "sinks": model_type(cfg) in _SINK_MODEL_TYPES,
+        "soft_cap": float(soft_cap) if soft_cap else None,
+        "scale": float(scalar) ** -0.5 if scalar else None,
+    }
+    if kind == FULL:
+        return Full(), Attention(**common)
+    if kind == SLIDING:
+        window = need_int(cfg, "sliding_window", why="sliding-window layers")
+        return SlidingWindow(window), Attention(window=window, **common)
+    if kind == CHUNKED:
+        chunk = need_int(cfg, "attention_chunk_size", why="chunked-attention layers")
+        return ChunkedLocal(chunk), Attention(chunk=chunk, **common)
+    raise ConfigError(f"{kind!r} is not an attention layer kind")

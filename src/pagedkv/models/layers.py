@@ -1,0 +1,90 @@
+"""A config's layers as LayerSpecs: the pattern, then each layer's layout/retention/mask."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pagedkv.errors import ConfigError
+from pagedkv.models.attention import (
+    indexer_layout,
+    is_mla,
+    kv_layout,
+    resolve_kv_dtype,
+    retention_and_mask,
+)
+from pagedkv.models.drafters import as_drafter, drafter_role
+from pagedkv.models.fields import text_config
+from pagedkv.models.pattern import ATTENTION_KINDS, RECURRENT, layer_pattern
+from pagedkv.models.recurrent import MAMBA1, MAMBA2, recurrent_state
+from pagedkv.spec import TARGET, LayerSpec, Recurrent
+
+
+def _prefix(model: str) -> str:
+    return "model" if model == TARGET else model
+
+
+def _names_preview(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} layers)" if len(names) > limit else "")
+
+
+def _refuse_ds_mla_on_gqa(cfg: Mapping, pattern: tuple[str, ...], model: str) -> None:
+    if is_mla(cfg):
+        return
+    names = [
+        f"{_prefix(model)}.layers.{i}.self_attn"
+        for i, kind in enumerate(pattern)
+        if kind in ATTENTION_KINDS
+    ]
+    if names:
+        raise ConfigError(
+            "kv_dtype fp8_ds_mla is DeepSeek's MLA latent format, but these layers are "
+            f"GQA/MHA attention (no kv_lora_rank): {_names_preview(names)}"
+        )
+
+
+def layers_from_config(
+    config: Mapping, *, model: str = TARGET, kv_dtype: str = "auto"
+) -> tuple[LayerSpec, ...]:
+    """LayerSpecs of every cache-holding layer of ``config``, in layer order.
+
+    ``model`` names the model the layers belong to (``"target"``, or e.g. ``"draft"``):
+    layer names start with ``model.`` for the target and with the model name otherwise,
+    and ``index`` is the layer's index inside its own model. A drafter config (see
+    :mod:`pagedkv.models.drafters`) yields its layers with the drafter's mask and
+    position offset. ``kv_dtype`` is ``auto`` (the config's dtype), ``bf16``, ``fp16``,
+    ``fp8`` or ``fp8_ds_mla`` (MLA only); recurrent states keep their own dtypes.
+    """
+    cfg = text_config(config)
+    fmt = resolve_kv_dtype(cfg, kv_dtype)
+    pattern = layer_pattern(cfg)
+    if fmt == "fp8_ds_mla":
+        _refuse_ds_mla_on_gqa(cfg, pattern, model)
+    role = drafter_role(cfg)
+    prefix = _prefix(model)
+    layers: list[LayerSpec] = []
+    state = None
+    for i, kind in enumerate(pattern):
+        if kind in ATTENTION_KINDS:
+            retention, attention = retention_and_mask(cfg, kind)
+            base = f"{prefix}.layers.{i}.self_attn"
+            layers.append(LayerSpec(base, kv_layout(cfg, fmt), retention, attention, model, 0, i))
+            indexer = indexer_layout(cfg)
+            if indexer is not None:
+                if not is_mla(cfg):
+                    raise ConfigError(
+                        "index_head_dim (DeepSeek-V3.2 indexer) is set on a model without "
+                        "MLA layers (no kv_lora_rank)"
+                    )
+                layers.append(
+                    LayerSpec(f"{base}.indexer", indexer, retention, attention, model, 0, i)
+                )
+        elif kind == RECURRENT:
+            state = state or recurrent_state(cfg)
+            suffix = "mamba" if state.family in (MAMBA1, MAMBA2) else "linear_attn"
+            layers.append(
+                LayerSpec(f"{prefix}.layers.{i}.{suffix}", state, Recurrent(), None, model, 0, i)
+            )
+    if role.kind != "model":
+        layers = [as_drafter(layer, role) for layer in layers]
+    return tuple(layers)
