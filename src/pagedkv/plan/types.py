@@ -45,7 +45,7 @@ class Group:
     bytes_per_token: int
     bytes_per_request: int
     num_blocks: int
-    blocks_per_request: int  # worst case for one request at max_model_len
+    blocks_per_request: int  # worst case for one request at max_model_len (recurrent: 1 slot)
     step_blocks: int  # blocks the step's new tokens add once per step (windowed groups)
 
     @property
@@ -124,6 +124,8 @@ class StrategyReport:
     padding_bytes: int
     capacity: Capacity
     notes: tuple[str, ...] = ()
+    block_size: int | None = None  # tokens per block, where the strategy has one block size
+    num_groups: int | None = None  # block-table groups it would form
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,80 @@
+"""Words for people: how a group is described, and the one sentence on what limits a plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+
+from pagedkv.plan.sizes import format_bytes
+from pagedkv.plan.types import Group
+from pagedkv.spec import AttentionKV, IndexerKV, Layout, MLALatent, RecurrentState
+
+
+def layout_label(layout: Layout) -> str:
+    if isinstance(layout, MLALatent):
+        return "MLA"
+    if isinstance(layout, AttentionKV):
+        return "attention"
+    if isinstance(layout, IndexerKV):
+        return "indexer"
+    if isinstance(layout, RecurrentState):
+        return layout.family
+    return getattr(layout, "kind", "cache")  # pragma: no cover
+
+
+def layer_mix(layouts: Sequence[Layout]) -> str:
+    """``29 MLA`` or ``61 MLA + 61 indexer``: layer counts by layout kind."""
+    counts: dict[str, int] = {}
+    for layout in layouts:
+        label = layout_label(layout)
+        counts[label] = counts.get(label, 0) + 1
+    return " + ".join(f"{n} {label}" for label, n in counts.items())
+
+
+def retention_label(group: Group) -> str:
+    ret = group.retention
+    if ret.kind == "sliding_window":
+        return f"sliding-window ({ret.window})"  # type: ignore[union-attr]
+    if ret.kind == "chunked_local":
+        return f"chunked-local ({ret.chunk})"  # type: ignore[union-attr]
+    if ret.kind == "cross":
+        return f"cross-attention ({ret.max_encoder_len})"  # type: ignore[union-attr]
+    return {"full": "full-attention", "recurrent": "recurrent"}.get(ret.kind, ret.kind)
+
+
+def describe_group(group: Group, layouts: Sequence[Layout], unit: int) -> str:
+    """``full-attention group (29 MLA layers, 33408 B/token)``; bytes for one rank."""
+    cost = f"{format_bytes(unit)} per request" if group.is_recurrent else f"{unit} B/token"
+    return f"{retention_label(group)} group ({layer_mix(layouts)} layers, {cost})"
+
+
+def requests_text(concurrency: Fraction) -> str:
+    if concurrency.denominator == 1:
+        return f"{concurrency.numerator}"
+    return f"{float(concurrency):.2f}"
+
+
+def limit_sentence(
+    *,
+    budget: int,
+    many_ranks: bool,
+    binding_stage: int | None,
+    max_model_len: int,
+    concurrency: Fraction,
+    slots_bind: bool,
+    state_text: str | None,
+    largest: str,
+    largest_share: float,
+) -> str:
+    """The one sentence of ``capacity.limited_by``."""
+    where = " per rank" if many_ranks else ""
+    text = (
+        f"KV memory: {format_bytes(budget)}{where} holds {requests_text(concurrency)} requests "
+        f"of {max_model_len} tokens"
+    )
+    if slots_bind and state_text:
+        text += f", one state slot each in the {state_text}"
+    text += f"; the {largest} takes {largest_share:.0%} of it"
+    if binding_stage is not None:
+        text += f" on pipeline stage {binding_stage}"
+    return text + "."

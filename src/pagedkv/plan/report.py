@@ -1,0 +1,201 @@
+"""A plan as the ``--json`` object (documented key by key in docs/plan.md) and as text."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from pagedkv.plan.explain import layer_mix, retention_label
+from pagedkv.plan.sizes import format_bytes
+from pagedkv.plan.types import Capacity, Group, Plan, Pool, StrategyReport, TensorView
+from pagedkv.spec import Retention
+
+
+def _retention(ret: Retention) -> dict[str, Any]:
+    fields = dataclasses.asdict(ret)
+    kind = fields.pop("kind")
+    return {"kind": kind, **fields}
+
+
+def _capacity(cap: Capacity) -> dict[str, Any]:
+    return {
+        "max_model_len": cap.max_model_len,
+        "max_concurrency": cap.max_concurrency,
+        "tokens": cap.tokens,
+        "limited_by": cap.limited_by,
+    }
+
+
+def _group(g: Group) -> dict[str, Any]:
+    return {
+        "id": g.id,
+        "layers": list(g.layer_names),
+        "models": list(g.models),
+        "retention": _retention(g.retention),
+        "block_size": g.block_size,
+        "position_offset": g.position_offset,
+        "bytes_per_token": g.bytes_per_token,
+        "bytes_per_request": g.bytes_per_request,
+        "page_bytes": g.page_bytes,
+        "num_blocks": g.num_blocks,
+        "blocks_per_request": g.blocks_per_request,
+        "step_blocks": g.step_blocks,
+    }
+
+
+def _pool(p: Pool) -> dict[str, Any]:
+    return {
+        "id": p.id,
+        "group_ids": list(p.group_ids),
+        "nbytes": p.nbytes,
+        "num_pages": p.num_pages,
+        "page_bytes": p.page_bytes,
+    }
+
+
+def _view(v: TensorView) -> dict[str, Any]:
+    return {
+        "layer": v.layer,
+        "tensor": v.tensor,
+        "pool": v.pool,
+        "offset": v.offset,
+        "shape": list(v.shape),
+        "dtype": v.dtype.value,
+        "nbytes": v.nbytes,
+    }
+
+
+def _alternative(r: StrategyReport) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "num_blocks": r.num_blocks,
+        "padding_bytes": r.padding_bytes,
+        "capacity": _capacity(r.capacity),
+        "block_size": r.block_size,
+        "num_groups": r.num_groups,
+        "notes": list(r.notes),
+    }
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The ``pagedkv plan --json`` object: plain JSON types only."""
+    first = plan.ranks[0]
+    return {
+        "strategy": plan.strategy,
+        "budget_bytes": plan.budget_bytes,
+        "num_blocks": plan.num_blocks,
+        "padding_bytes": plan.padding_bytes,
+        "block_size": plan.groups[0].block_size,
+        "max_batched_tokens": plan.options.max_batched_tokens,
+        "tp": plan.options.tp,
+        "pp": plan.options.pp,
+        "capacity": _capacity(plan.capacity),
+        "groups": [_group(g) for g in plan.groups],
+        "ranks": len(plan.ranks),
+        "rank_usage": [
+            {
+                "tp_rank": r.tp_rank,
+                "pp_rank": r.pp_rank,
+                "num_layers": len(r.layers),
+                "used_bytes": r.used_bytes,
+            }
+            for r in plan.ranks
+        ],
+        "pools": [_pool(p) for p in first.pools],
+        "views": [_view(v) for v in first.views],
+        "alternatives": [_alternative(a) for a in plan.alternatives],
+    }
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def compress_names(names: tuple[str, ...], limit: int = 160) -> str:
+    """``model.layers.{3,7,11}.self_attn; draft.layers.{0-4}.attn``: first number folded."""
+    runs: list[tuple[str, str, list[int]]] = []
+    for name in names:
+        match = _NUMBER.search(name)
+        if match is None:
+            runs.append((name, "", []))
+            continue
+        head, tail, number = name[: match.start()], name[match.end():], int(match.group())
+        if runs and runs[-1][0] == head and runs[-1][1] == tail and runs[-1][2]:
+            runs[-1][2].append(number)
+        else:
+            runs.append((head, tail, [number]))
+    parts = []
+    for head, tail, numbers in runs:
+        if not numbers:
+            parts.append(head)
+        elif len(numbers) == 1:
+            parts.append(f"{head}{numbers[0]}{tail}")
+        else:
+            parts.append(f"{head}{{{_ranges(numbers)}}}{tail}")
+    text = "; ".join(parts)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _ranges(numbers: list[int]) -> str:
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.2f}%"
+
+
+def format_plan(plan: Plan) -> str:
+    """Human output: a row per group, capacity, padding, the limit, the comparison."""
+    opts = plan.options
+    header = ("group", "retention", "layers", "models", "block", "B/token", "fixed B/req", "blocks")
+    rows = [header]
+    for g in plan.groups:
+        rows.append((
+            str(g.id),
+            retention_label(g),
+            layer_mix([layer.layout for layer in g.layers]),
+            ",".join(g.models),
+            "-" if g.is_recurrent else str(g.block_size),
+            str(g.bytes_per_token),
+            str(g.bytes_per_request),
+            f"{g.num_blocks} slots" if g.is_recurrent else str(g.num_blocks),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    per_rank = " per rank" if len(plan.ranks) > 1 else ""
+    lines = [
+        f"pagedkv plan: {sum(len(g.layers) for g in plan.groups)} layers in {len(plan.groups)} "
+        f"block-table groups; budget {format_bytes(plan.budget_bytes)}{per_rank} "
+        f"(tp={opts.tp}, pp={opts.pp}); max_model_len {opts.max_model_len}; "
+        f"step budget {opts.max_batched_tokens} tokens",
+        "",
+    ]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if per_rank:
+        lines.append("(bytes per rank: the rank that holds the most of each group)")
+    lines.append("")
+    for g in plan.groups:
+        lines.append(f"group {g.id} layers: {compress_names(g.layer_names)}")
+    cap = plan.capacity
+    lines += [
+        "",
+        f"capacity ({plan.strategy}): {cap.max_concurrency:.2f} requests of {cap.max_model_len} "
+        f"tokens at once = {cap.tokens} tokens",
+        f"padding: {format_bytes(plan.padding_bytes)} "
+        f"({_percent(plan.padding_bytes, plan.budget_bytes)} of the budget)",
+        f"limited by: {cap.limited_by}",
+    ]
+    for alt in plan.alternatives:
+        lines.append(
+            f"compare {alt.name}: {alt.capacity.max_concurrency:.2f} requests "
+            f"({alt.capacity.tokens} tokens), {alt.num_blocks} blocks, padding "
+            f"{format_bytes(alt.padding_bytes)} ({_percent(alt.padding_bytes, plan.budget_bytes)})"
+            + (f"; {'; '.join(alt.notes)}" if alt.notes else "")
+        )
+    return "\n".join(lines)
