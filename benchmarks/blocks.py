@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Block-manager micro-benchmarks (figures in docs/blocks.md).
+
+1. Decode step cost per running request: R requests (R = 256 and 1,024) sharing a
+   1,024-token prefix + 256 private tokens decode together; each step calls
+   ``allocate(rid, 1)`` and ``commit(rid, 1, [tok])`` for every running request (the
+   same work vLLM's ``allocate_slots`` + ``append_output_token_ids`` do), with prefix
+   caching on, for one group (full) and three groups (full + sliding window + full with
+   position offset 1, an MTP-like drafter). Half the steps call per request, half use
+   ``allocate_batch`` / ``commit_batch`` (one call per step).
+2. Admission of a request whose 1,024-token prefix is cached: ``find_cached_prefix`` +
+   ``allocate`` (64 hit blocks of 16 tokens), and the lookup alone (the prompt's blocks
+   are hashed by ``add_request``, as vLLM hashes them when it creates the Request).
+3. Hashing throughput of each algorithm, tokens per second (block size 16 and 64).
+4. The vLLM-shaped continuous-batching loop (``--loop``): same workload as
+   ../shared/peers/vllm_blocks_bench.py, timing each manager call.
+
+Usage: python benchmarks/blocks.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import sys
+import time
+
+from pagedkv.blocks import KVCacheManager
+from pagedkv.blocks.hashing import HASH_ALGOS, hash_extender
+from pagedkv.plan.types import Group
+from pagedkv.spec import AttentionKV, Full, LayerSpec, SlidingWindow
+from pagedkv.spec.attention import Attention
+
+ns = time.perf_counter_ns
+
+
+def _group(gid: int, retention, bs: int, num_blocks: int, offset: int = 0) -> Group:
+    att = Attention(window=retention.window) if isinstance(retention, SlidingWindow) else Attention()
+    layer = LayerSpec(f"l{gid}", AttentionKV(8, 128), retention, att, position_offset=offset)
+    return Group(gid, (layer,), retention, bs, offset, ("target",), layer.bytes_per_token, 0,
+                 num_blocks, 0, 0)
+
+
+def groups_for(kind: str, num_blocks: int, bs: int = 16) -> list[Group]:
+    if kind == "one":
+        return [_group(0, Full(), bs, num_blocks)]
+    return [_group(0, Full(), bs, num_blocks), _group(1, SlidingWindow(128), bs, num_blocks),
+            _group(2, Full(), bs, num_blocks, offset=1)]
+
+
+def bench_decode(running: int, kind: str, steps: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(128000) for _ in range(1024)]
+    per_req = (1024 + 256 + steps + 16) // 16 + 2
+    mgr = KVCacheManager(groups_for(kind, running * per_req + 64), max_batched_tokens=8192,
+                         checked=False)
+    for r in range(running):
+        prompt = prefix + [rng.randrange(128000) for _ in range(256)]
+        mgr.add_request(r, prompt)
+        hit = mgr.find_cached_prefix(r)
+        if not mgr.allocate(r, len(prompt) - hit):
+            raise SystemExit("pool too small")
+        mgr.commit(r, len(prompt) - hit, [rng.randrange(128000)])
+    toks = [rng.randrange(128000) for _ in range(4096)]
+    allocate, commit = mgr.allocate, mgr.commit
+    ids = list(range(running))
+    half = steps // 2
+    gc.collect()
+    gc.freeze()
+    t0 = ns()
+    for s in range(half):  # one call per request, as vLLM's scheduler calls its manager
+        tok = [toks[s & 4095]]
+        for r in ids:
+            if not allocate(r, 1):
+                raise SystemExit("out of blocks")
+        for r in ids:
+            commit(r, 1, tok)
+    t1 = ns()
+    for s in range(half, 2 * half):  # one call per step for the whole batch
+        if mgr.allocate_batch(ids) != running:
+            raise SystemExit("out of blocks")
+        mgr.commit_batch(ids, [toks[s & 4095]] * running)
+    t2 = ns()
+    gc.unfreeze()
+    if mgr.num_computed(0) != 1280 + 2 * half:
+        raise SystemExit("benchmark bookkeeping is off")
+    return {"running": running, "groups": kind, "steps": 2 * half,
+            "us_per_request_step": round((t1 - t0) / 1e3 / (half * running), 3),
+            "us_per_request_step_batched": round((t2 - t1) / 1e3 / (half * running), 3)}
+
+
+def bench_admission(repeats: int = 200) -> dict:
+    rng = random.Random(1)
+    prefix = [rng.randrange(128000) for _ in range(1024)]
+    mgr = KVCacheManager(groups_for("one", 20000), max_batched_tokens=8192, checked=False)
+    mgr.add_request("warm", prefix + [1])
+    mgr.find_cached_prefix("warm")
+    mgr.allocate("warm", 1025)
+    mgr.commit("warm", 1025, [2])
+    lookup = admit = 0
+    for i in range(repeats):
+        prompt = prefix + [rng.randrange(128000) for _ in range(16)]
+        mgr.add_request(i, prompt)  # hashes nothing yet: the lookup hashes the prompt
+        t0 = ns()
+        hit = mgr.find_cached_prefix(i)
+        t1 = ns()
+        mgr.allocate(i, len(prompt) - hit)
+        t2 = ns()
+        if hit != 1024:
+            raise SystemExit(f"expected a 1024-token hit, got {hit}")
+        lookup += t1 - t0
+        admit += t2 - t0
+        mgr.free(i)
+    return {"prefix_tokens": 1024, "hit_blocks": 64,
+            "find_cached_prefix_us": round(lookup / repeats / 1e3, 2),
+            "find_cached_prefix_plus_allocate_us": round(admit / repeats / 1e3, 2)}
+
+
+def bench_hash(num_tokens: int = 1 << 20) -> list[dict]:
+    rng = random.Random(2)
+    toks = [rng.randrange(128000) for _ in range(num_tokens)]
+    out = []
+    for algo in HASH_ALGOS:
+        try:
+            extend = hash_extender(algo)
+        except Exception as exc:  # noqa: BLE001 - optional algorithm unavailable
+            out.append({"algo": algo, "error": str(exc)})
+            continue
+        for bs in (16, 64):
+            best = 0.0
+            for _ in range(3):
+                hashes: list = []
+                t0 = time.perf_counter()
+                extend(toks, 0, num_tokens // bs, bs, 0, hashes)
+                best = max(best, num_tokens / (time.perf_counter() - t0))
+            out.append({"algo": algo, "block_size": bs, "mtokens_per_s": round(best / 1e6, 1)})
+    return out
+
+
+def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 20000,
+               token_budget: int = 8192, prefix: int = 1024, suffix: int = 256,
+               decode: int = 128, bs: int = 16, seed: int = 0) -> dict:
+    """The peer script's loop, call for call, with pagedkv's manager."""
+    rng = random.Random(seed)
+    system = [rng.randrange(128000) for _ in range(prefix)]
+    suffixes = [[rng.randrange(128000) for _ in range(suffix)] for _ in range(requests)]
+    out_tokens = [rng.randrange(128000) for _ in range(4096)]
+    mgr = KVCacheManager(groups_for("one", num_blocks, bs), max_batched_tokens=token_budget,
+                         checked=False)
+    t = {"lookup": [0, 0], "alloc_prefill": [0, 0], "alloc_decode": [0, 0], "commit": [0, 0],
+         "free": [0, 0], "add_request": [0, 0]}
+
+    def add(key: str, dt: int) -> None:
+        t[key][0] += 1
+        t[key][1] += dt
+
+    waiting: list[int] = []
+    running: list[int] = []
+    outputs = [0] * requests
+    nxt = finished = steps = hit_total = prompt_total = preemptions = 0
+    gc.collect()
+    gc.freeze()
+    t_start = time.perf_counter()
+    while finished < requests:
+        steps += 1
+        budget = token_budget
+        scheduled: list[tuple[int, int]] = []
+        i = 0
+        while i < len(running):
+            r = running[i]
+            a = ns()
+            ok = mgr.allocate(r, 1)
+            add("alloc_decode", ns() - a)
+            if not ok:
+                victim = running.pop()
+                mgr.preempt(victim)
+                waiting.insert(0, victim)
+                preemptions += 1
+                continue
+            scheduled.append((r, 1))
+            budget -= 1
+            i += 1
+        while len(waiting) < max_running and nxt < requests:
+            a = ns()
+            mgr.add_request(nxt, system + suffixes[nxt])
+            add("add_request", ns() - a)
+            waiting.append(nxt)
+            nxt += 1
+        admitted = 0
+        while waiting and len(running) + admitted < max_running:
+            r = waiting[0]
+            a = ns()
+            hit = mgr.find_cached_prefix(r)
+            add("lookup", ns() - a)
+            n_new = mgr.num_tokens(r) - hit
+            if n_new > budget:
+                break
+            a = ns()
+            ok = mgr.allocate(r, n_new)
+            add("alloc_prefill", ns() - a)
+            if not ok:
+                break
+            waiting.pop(0)
+            if outputs[r] == 0:
+                prompt_total += prefix + suffix
+                hit_total += hit
+            scheduled.append((r, n_new))
+            budget -= n_new
+            admitted += 1
+            running.append(r)
+        for r, n in scheduled:
+            a = ns()
+            mgr.commit(r, n, [out_tokens[(mgr.num_tokens(r)) & 4095]])
+            add("commit", ns() - a)
+            outputs[r] += 1
+        still = []
+        for r in running:
+            if outputs[r] >= decode:
+                a = ns()
+                mgr.free(r)
+                add("free", ns() - a)
+                finished += 1
+            else:
+                still.append(r)
+        running = still
+    wall = time.perf_counter() - t_start
+    gc.unfreeze()
+    return {
+        "requests": requests, "steps": steps, "wall_s": round(wall, 3),
+        "calls_us": {k: {"calls": c, "mean_us": round(s / c / 1e3, 3) if c else None}
+                     for k, (c, s) in t.items()},
+        "decode_us_per_request_step": round((t["alloc_decode"][1] + t["commit"][1]
+                                             * t["alloc_decode"][0] / max(1, t["commit"][0]))
+                                            / max(1, t["alloc_decode"][0]) / 1e3, 3),
+        "cache_hit_rate_tokens": round(hit_total / max(1, prompt_total), 4),
+        "preemptions": preemptions,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", choices=("decode", "admission", "hash", "loop"))
+    args = ap.parse_args(argv)
+    steps = 32 if args.quick else 256
+    res: dict = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+                 "python": platform.python_version(),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.only in (None, "decode"):
+        res["decode"] = [bench_decode(r, k, steps) for r in (256, 1024) for k in ("one", "three")]
+    if args.only in (None, "admission"):
+        res["admission"] = bench_admission(50 if args.quick else 500)
+    if args.only in (None, "hash"):
+        res["hash"] = bench_hash(1 << 16 if args.quick else 1 << 20)
+    if args.only in (None, "loop"):
+        res["loop"] = bench_loop(200 if args.quick else 2000)
+    print(json.dumps(res, indent=None if args.json else 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

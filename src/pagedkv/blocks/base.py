@@ -1,0 +1,162 @@
+"""What every per-retention manager provides to the coordinator.
+
+A manager owns one block-table group: it finds that group's longest valid prefix hit,
+counts and takes the blocks a request needs, offers newly full committed blocks to the
+prefix cache, and gives blocks back. It never decides admission or preemption.
+"""
+
+from __future__ import annotations
+
+from pagedkv.blocks.events import CopyOp, EventLog
+from pagedkv.blocks.pool import BlockPool
+from pagedkv.blocks.request import INF, RequestState
+from pagedkv.plan.types import Group
+from pagedkv.spec.retention import blocks_per_request, cdiv, step_blocks
+
+
+class GroupManager:
+    """Base class; subclasses override the methods whose behaviour their retention changes."""
+
+    holds_tokens = True  # block table indexed by token position (False: state slots, encoder)
+    can_cache = True
+
+    def __init__(self, index: int, group: Group, pool: BlockPool, caching: bool,
+                 events: EventLog) -> None:
+        self.index = index
+        self.group = group
+        self.gid = group.id
+        self.pool = pool
+        self.bs = group.block_size
+        self.offset = group.position_offset
+        self.caching = caching and self.can_cache
+        self.cache = pool.cache_for(group.id)
+        self.events = events
+        self.ops: list[CopyOp] = []
+
+    # --- prefix hits -------------------------------------------------------------------
+    def key(self, req: RequestState, i: int) -> int:
+        """Cache key of block ``i``: the chained hash of the tokens up to its end."""
+        return req.hashes[self.bs][i]
+
+    def hit_block_limit(self, req: RequestState, max_tokens: int) -> int:
+        """How many leading blocks could take part in a hit of at most ``max_tokens``."""
+        return max(0, min(cdiv(max_tokens + self.offset, self.bs), len(req.hashes[self.bs])))
+
+    def find_hit(self, req: RequestState, max_tokens: int) -> tuple[int, list[int]]:
+        """Longest valid hit of at most ``max_tokens`` tokens: (tokens, blocks to adopt,
+        the last one partly when the hit ends inside it). Layers with position offset k
+        computed position p from token p+k, so only a run's first ``len * bs - k``
+        positions are valid: such groups back off by k tokens, not by a block."""
+        raise NotImplementedError
+
+    # --- allocation --------------------------------------------------------------------
+    def blocks_needed(self, req: RequestState, end: int, hit: list[int] | None) -> int:
+        """Blocks the pool must hand out so positions [0, end) have slots (hit blocks that
+        sit in the LRU count too: adopting them takes them off the free count)."""
+        table = req.tables[self.index]
+        if hit is None:
+            return max(0, cdiv(end, self.bs) - len(table))
+        ref = self.pool.ref
+        null = self.pool.null
+        revived = sum(1 for b in hit if b != null and ref[b] == 0)
+        adopted = len(hit) - (1 if hit and req.pending[0] % self.bs else 0)
+        return max(0, cdiv(end, self.bs) - adopted) + revived
+
+    def allocate(self, req: RequestState, end: int, hit: list[int] | None) -> None:
+        i = self.index
+        if hit is not None:
+            pool = self.pool
+            h = req.pending[0]
+            pool.touch(hit, self.gid)
+            req.tables[i] = table = list(hit)
+            req.ncached[i] = h // self.bs
+            if h % self.bs:  # the hit ends inside its last block: copy it, never write it
+                src = table.pop()
+                dst = pool.allocate(1, self.gid)[0]
+                table.append(dst)
+                req.copy_src[i] = src
+                self.ops.append(CopyOp("copy", self.gid, src, dst, h))
+        else:
+            table = req.tables[i]
+        need = cdiv(end, self.bs) - len(table)
+        if need > 0:
+            table += self.pool.allocate(need, self.gid)
+
+    def drop_out_of_window(self, req: RequestState) -> None:
+        """Free blocks the request will never read again (windowed retention only)."""
+
+    # --- commit ------------------------------------------------------------------------
+    def commit(self, req: RequestState) -> int:
+        """Offer blocks now full of committed tokens to the cache; return the committed
+        count at which this group next has work."""
+        self.release_copy_source(req)
+        return self.offer(req, req.num_computed)
+
+    def release_copy_source(self, req: RequestState) -> None:
+        """A copy source is held until the step that ran the copy has finished."""
+        src = req.copy_src[self.index]
+        if src is not None:
+            req.copy_src[self.index] = None
+            self.pool.release([src], self.gid)
+
+    def offer(self, req: RequestState, upto: int) -> int:
+        """Cache the blocks whose every position below ``upto`` has final KV (or gets it
+        in this step's forward, which writes a layer's KV before that layer attends)."""
+        if not self.caching:
+            return INF
+        i = self.index
+        bs = self.bs
+        k = self.offset
+        table = req.tables[i]
+        start = req.ncached[i]
+        hashes = req.hashes[bs]
+        limit = min((upto - k) // bs, len(table), len(hashes))
+        if limit > start:
+            pool = self.pool
+            gid = self.gid
+            cache = self.cache
+            block_hash = pool.block_hash
+            null = pool.null
+            stored: list[int] = []
+            for j in range(start, limit):
+                b = table[j]
+                h = hashes[j]
+                # enter b unless it is the null block, already cached, or a duplicate
+                if b != null and block_hash[b] is None and h not in cache:
+                    cache[h] = b
+                    block_hash[b] = h
+                    stored.append(j)
+            req.ncached[i] = limit
+            start = limit
+            if stored and self.events.enabled:
+                first = stored[0]
+                self.events.emit("stored", gid, tuple(hashes[j] for j in stored),
+                                 tuple(table[j] for j in stored),
+                                 hashes[first - 1] if first > 0 else None)
+        return (start + 1) * bs + k
+
+    def trim(self, req: RequestState) -> None:
+        """Give back blocks that only rejected draft tokens used (all past the committed)."""
+        table = req.tables[self.index]
+        keep = cdiv(req.num_computed, self.bs)
+        if len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            extra.reverse()
+            self.pool.release(extra, self.gid)
+
+    def free(self, req: RequestState) -> None:
+        """Release every block; the tail first, so the LRU evicts tails before prefixes."""
+        self.release_copy_source(req)
+        table = req.tables[self.index]
+        if table:
+            self.pool.release(table[::-1], self.gid)
+            req.tables[self.index] = []
+
+    # --- arithmetic --------------------------------------------------------------------
+    def admission_blocks(self, num_tokens: int, max_batched_tokens: int) -> int:
+        """Most blocks one request of ``num_tokens`` tokens can hold: the planner's numbers."""
+        ret = self.group.retention
+        windowed = (blocks_per_request(ret, num_tokens, self.bs)
+                    + step_blocks(ret, min(max_batched_tokens, num_tokens), self.bs))
+        return min(windowed, cdiv(num_tokens, self.bs))  # never more than every token

@@ -1,0 +1,105 @@
+"""The full invariant sweep of checked mode (``checked=True`` or ``PAGEDKV_DEBUG=1``).
+
+O(blocks + table entries) per call: meant for tests and debugging, not production.
+Each violation raises :class:`CacheCorruptedError` naming the invariant.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedkv.errors import CacheCorruptedError
+
+if TYPE_CHECKING:
+    from pagedkv.blocks.coordinator import KVCacheManager
+
+
+def _require(ok: bool, invariant: str, detail: str) -> None:
+    if not ok:
+        raise CacheCorruptedError(f"invariant '{invariant}' violated: {detail}")
+
+
+def sweep(mgr: KVCacheManager) -> None:
+    owners = {p.pool_id: [0] * p.num_blocks for p in mgr.pools}
+    for req in mgr.requests.values():
+        _require(0 <= req.num_computed <= len(req.tokens), "progress within tokens",
+                 f"request {req.id!r}: {req.num_computed} computed of {len(req.tokens)}")
+        for m in mgr.managers:
+            table = req.tables[m.index]
+            count = owners[m.pool.pool_id]
+            null = m.pool.null
+            live = [b for b in table if b != null]
+            _require(len(set(live)) == len(live), "a table holds a block once",
+                     f"request {req.id!r} group {m.gid}: {table}")
+            for b in live:
+                _require(m.pool.first <= b < m.pool.num_blocks and m.pool.block_group[b] == m.gid,
+                         "blocks belong to their group",
+                         f"request {req.id!r} group {m.gid} holds block {b} of group "
+                         f"{m.pool.block_group[b] if m.pool.first <= b < m.pool.num_blocks else '?'}")
+                count[b] += 1
+            src = req.copy_src[m.index]
+            if src is not None:
+                count[src] += 1
+            for _, slot in req.saves[m.index]:
+                count[slot] += 1
+            if m.holds_tokens:
+                _require(len(table) * m.bs >= req.num_computed or not table and not req.num_computed,
+                         "computed tokens have slots",
+                         f"request {req.id!r} group {m.gid}: {len(table)} blocks of {m.bs} for "
+                         f"{req.num_computed} computed tokens")
+                hashes = req.hashes.get(m.bs, [])
+                for j in range(min(req.ncached[m.index], len(table), len(hashes))):
+                    b = table[j]
+                    h = m.pool.block_hash[b] if b != null else None
+                    if h is not None:
+                        _require(h == m.key(req, j), "hash map consistent with block contents",
+                                 f"request {req.id!r} group {m.gid} block {j} (id {b}) is "
+                                 "cached under a hash of other tokens")
+            elif table and m.caching and m.group.retention.kind == "recurrent":
+                _require(m.pool.block_hash[table[0]] is None, "working state is never cached",
+                         f"request {req.id!r} group {m.gid}: slot {table[0]} is cached")
+    for pool in mgr.pools:
+        _sweep_pool(pool, owners[pool.pool_id])
+
+
+def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
+    pid = pool.pool_id
+    free = pool.free
+    evictable = list(pool.evictable)
+    free_set = set(free)
+    _require(len(free_set) == len(free), "free list without repeats", f"pool {pid}")
+    _require(not free_set & set(evictable), "a free block is plain or cached, not both",
+             f"pool {pid}: {sorted(free_set & set(evictable))[:8]}")
+    _require(pool.null not in free_set and pool.null not in pool.evictable
+             and (pool.null < 0 or pool.ref[pool.null] == 0),
+             "null block never allocated", f"pool {pid}")
+    used = [b for b in range(pool.first, pool.num_blocks) if pool.ref[b] > 0]
+    _require(len(free) + len(evictable) + len(used) == pool.usable, "free + used = total",
+             f"pool {pid}: {len(free)} free + {len(evictable)} evictable + {len(used)} used "
+             f"!= {pool.usable}")
+    for b in range(pool.first, pool.num_blocks):
+        _require(pool.ref[b] == owners[b], "reference counts equal owners",
+                 f"pool {pid} block {b}: ref {pool.ref[b]}, {owners[b]} owners")
+        if owners[b] > 1:
+            _require(pool.block_hash[b] is not None, "only cached blocks are shared",
+                     f"pool {pid} block {b} has {owners[b]} owners and no hash")
+    for b in free:
+        _require(pool.block_hash[b] is None, "plain free blocks carry no hash",
+                 f"pool {pid} block {b}")
+    for b in evictable:
+        _require(pool.ref[b] == 0 and pool.block_hash[b] is not None,
+                 "evictable blocks are cached and unreferenced", f"pool {pid} block {b}")
+    per_group = dict.fromkeys(pool.used, 0)
+    for b in used:
+        per_group[pool.block_group[b]] = per_group.get(pool.block_group[b], 0) + 1
+    _require(per_group == pool.used, "used counters match", f"pool {pid}: {pool.used} vs {per_group}")
+    hashed = 0
+    for g, cache in pool.caches.items():
+        for h, b in cache.items():
+            _require(pool.block_hash[b] == h and pool.block_group[b] == g,
+                     "hash map consistent with block hashes",
+                     f"pool {pid} group {g}: hash maps to block {b} holding "
+                     f"{pool.block_hash[b]!r} of group {pool.block_group[b]}")
+        hashed += len(cache)
+    _require(hashed == sum(1 for h in pool.block_hash if h is not None),
+             "every hashed block is in its group's map", f"pool {pid}")

@@ -1,0 +1,24 @@
+"""Full attention: every block stays; a hit is the longest run of cached leading blocks."""
+
+from __future__ import annotations
+
+from pagedkv.blocks.base import GroupManager
+from pagedkv.blocks.request import RequestState
+from pagedkv.spec.retention import cdiv
+
+
+class FullManager(GroupManager):
+    def find_hit(self, req: RequestState, max_tokens: int) -> tuple[int, list[int]]:
+        if not self.caching:
+            return 0, []
+        get = self.cache.get
+        blocks: list[int] = []
+        for h in req.hashes[self.bs][:self.hit_block_limit(req, max_tokens)]:
+            b = get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        tokens = min(max_tokens, len(blocks) * self.bs - self.offset)
+        if tokens <= 0:
+            return 0, []
+        return tokens, blocks[:cdiv(tokens, self.bs)]

@@ -1,0 +1,62 @@
+"""Per-request state the block manager keeps: tokens, progress, one block table per group."""
+
+from __future__ import annotations
+
+INF = 1 << 62
+
+
+class RequestState:
+    """Mutable bookkeeping of one request (``__slots__``: touched on every step).
+
+    ``tokens``: every known token (prompt + output so far). ``num_computed``: tokens whose
+    KV is final in every layer. ``hashes[bs]``: chained hashes of the full blocks of
+    ``tokens`` for block size ``bs`` (grown only as blocks fill). ``tables[g]``: block ids
+    of group ``g`` (null block where a window dropped one). ``ncached[g]``: leading blocks
+    of group ``g`` already offered to the prefix cache. ``slot_limit``: positions with a
+    slot in every group (``fast_limit``: the most a step may reach with no group having
+    work, e.g. a recurrent checkpoint); ``last_block_start``: where the last allocated block of any
+    group starts; ``next_event``: the committed-token count at which some group has work.
+    """
+
+    __slots__ = ("id", "tokens", "num_prompt", "max_new_tokens", "num_computed", "root",
+                 "mm_spans", "hashes", "tables", "ncached", "first_live", "copy_src",
+                 "pending", "slot_limit", "fast_limit", "last_block_start", "next_event",
+                 "num_preemptions", "saves")
+
+    def __init__(self, request_id: object, tokens: list[int], root: int,
+                 mm_spans: tuple[tuple[int, int, int], ...], num_groups: int,
+                 max_new_tokens: int | None) -> None:
+        self.id = request_id
+        self.tokens = tokens
+        self.num_prompt = len(tokens)
+        self.max_new_tokens = max_new_tokens
+        self.num_computed = 0
+        self.root = root
+        self.mm_spans = mm_spans
+        self.hashes: dict[int, list[int]] = {}
+        self.tables: list[list[int]] = [[] for _ in range(num_groups)]
+        self.ncached = [0] * num_groups
+        self.first_live = [0] * num_groups
+        self.copy_src: list[int | None] = [None] * num_groups
+        self.pending: tuple[int, int, list[list[int]]] | None = None
+        self.slot_limit = 0
+        self.fast_limit = 0
+        self.last_block_start = -1
+        self.next_event = 0  # the first commit works out the real one
+        self.num_preemptions = 0
+        self.saves: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+
+    def reset(self) -> None:
+        """Back to "nothing computed" (preemption): tokens and hashes stay for recompute."""
+        n = len(self.tables)
+        self.num_computed = 0
+        self.tables = [[] for _ in range(n)]
+        self.ncached = [0] * n
+        self.first_live = [0] * n
+        self.copy_src = [None] * n
+        self.pending = None
+        self.slot_limit = 0
+        self.fast_limit = 0
+        self.last_block_start = -1
+        self.next_event = 0  # the first commit works out the real one
+        self.saves = [[] for _ in range(n)]

@@ -1,0 +1,93 @@
+"""Chained block hashes: prefix property, incremental = one shot, extra keys, stability."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.blocks.hashing import HASH_ALGOS, hash_extender, root_hash
+from pagedkv.errors import InvalidArgumentError
+
+ALGOS = [a for a in HASH_ALGOS if a != "xxh3_128"]
+try:
+    import xxhash  # noqa: F401
+
+    ALGOS.append("xxh3_128")
+except ImportError:
+    pass
+
+tokens_st = st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=80)
+
+
+def chain(algo, tokens, bs, parent=0):
+    out: list[int] = []
+    hash_extender(algo)(tokens, 0, len(tokens) // bs, bs, parent, out)
+    return out
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@settings(max_examples=40, deadline=None)
+@given(a=tokens_st, b=tokens_st, bs=st.sampled_from([1, 4, 16]))
+def test_equal_prefixes_have_equal_hashes_and_a_difference_propagates(algo, a, b, bs):
+    ha, hb = chain(algo, a, bs), chain(algo, b, bs)
+    for i in range(min(len(ha), len(hb))):
+        same_prefix = a[:(i + 1) * bs] == b[:(i + 1) * bs]
+        assert (ha[i] == hb[i]) == same_prefix
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@settings(max_examples=30, deadline=None)
+@given(toks=tokens_st, cut=st.integers(0, 20), bs=st.sampled_from([2, 4]))
+def test_incremental_extension_equals_one_shot(algo, toks, cut, bs):
+    n = len(toks) // bs
+    cut = min(cut, n)
+    ext = hash_extender(algo)
+    part: list[int] = []
+    ext(toks, 0, cut, bs, 5, part)
+    ext(toks, cut, n, bs, part[-1] if part else 5, part)
+    assert part == chain(algo, toks, bs, 5)
+
+
+def test_sha256_matches_an_independent_computation():
+    toks = list(range(8))
+    parent = 123
+    expected = []
+    h = parent
+    for i in range(2):
+        raw = h.to_bytes(32, "little") + array("q", toks[i * 4:(i + 1) * 4]).tobytes()
+        h = int.from_bytes(hashlib.sha256(raw).digest(), "little")
+        expected.append(h)
+    assert chain("sha256", toks, 4, parent) == expected
+
+
+def test_extra_keys_separate_requests():
+    assert root_hash(()) != root_hash(("tenant-a",))
+    assert root_hash(("tenant-a",)) != root_hash(("tenant-b",))
+    assert root_hash(("salt", 3)) != root_hash(("salt", 4))
+    assert root_hash(("a", "b")) != root_hash(("b", "a"))
+    with pytest.raises(InvalidArgumentError):
+        root_hash((object(),))
+
+
+def test_unknown_algorithm_is_refused():
+    with pytest.raises(InvalidArgumentError):
+        hash_extender("md5")
+
+
+def test_fast_hash_is_the_same_in_another_process_with_another_hash_seed():
+    code = ("from pagedkv.blocks.hashing import hash_extender, root_hash; out=[];"
+            "hash_extender('fast')(list(range(64)), 0, 4, 16, root_hash(('salt',)), out);"
+            "print(out)")
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                capture_output=True, text=True).stdout)
+    assert len(outs) == 1

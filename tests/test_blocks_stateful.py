@@ -1,0 +1,158 @@
+"""Stateful property tests: random add / admit / step (prefill chunks, decodes,
+speculative steps with random acceptance) / preempt / finish sequences, in checked mode
+(every call ends with the full invariant sweep), over real plans of catalog models and
+hand-built groups with small blocks. At the end every block must be back."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_blocks_groups import deepseek_mtp_like, full_only, gpt_oss_like, kimi_dspark_like
+
+from pagedkv.blocks import KVCacheManager, lookahead_tokens
+from pagedkv.errors import RequestTooLargeError
+
+BASES = [tuple((i * 7 + j) % 5 for i in range(200)) for j in range(3)]
+
+
+def _real_plan(model, draft, budget):
+    from pagedkv.models import load_model
+    from pagedkv.plan import PlanOptions, make_plan
+
+    spec = load_model(model, draft)
+    return make_plan(spec.layers, PlanOptions(budget_bytes=budget, max_model_len=512,
+                                              block_size=16, max_batched_tokens=64))
+
+
+def _manager(kind):
+    kw = {"checked": True, "events": True, "max_batched_tokens": 64}
+    if kind == "full":
+        return KVCacheManager(full_only(num_blocks=40, bs=4), **kw)
+    if kind == "window":
+        return KVCacheManager(gpt_oss_like(num_blocks=40, bs=4, window=8), **kw)
+    if kind == "kimi":
+        return KVCacheManager(kimi_dspark_like(num_blocks=40, bs=4, slots=6), **kw)
+    if kind == "mtp":
+        return KVCacheManager(deepseek_mtp_like(num_blocks=40, bs=4), **kw)
+    model, draft, budget = {
+        "real-llama": ("llama-3-8b", None, 100 << 20),
+        "real-gpt-oss": ("gpt-oss-20b", None, 40 << 20),
+        "real-kimi-dspark": ("kimi-k3", "kimi-k3-dspark", 3 << 30),
+        "real-deepseek-mtp": ("deepseek-v3", "mtp", 200 << 20),
+    }[kind]
+    return KVCacheManager.from_plan(_real_plan(model, draft, budget),
+                                    recurrent_checkpoint_every=1, **kw)
+
+
+class BlockMachine(RuleBasedStateMachine):
+    kind = "full"
+
+    @initialize(spec_tokens=st.integers(0, 3))
+    def setup(self, spec_tokens):
+        self.m = _manager(self.kind)
+        self.la = lookahead_tokens(self.m.groups, spec_tokens) if spec_tokens else 0
+        self.spec = spec_tokens
+        self.waiting: list[int] = []
+        self.running: list[int] = []
+        self.next_id = 0
+        self.max_new: dict[int, int] = {}
+        self.made: dict[int, int] = {}
+
+    @rule(base=st.integers(0, 2), cut=st.integers(1, 90), suffix=st.lists(st.integers(0, 4), max_size=12),
+          max_new=st.integers(0, 30))
+    def add(self, base, cut, suffix, max_new):
+        rid = self.next_id
+        self.next_id += 1
+        try:
+            self.m.add_request(rid, BASES[base][:cut] + tuple(suffix), max_new_tokens=max_new)
+        except RequestTooLargeError:
+            return
+        self.waiting.append(rid)
+        self.max_new[rid] = max_new
+        self.made[rid] = 0
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), chunk=st.integers(1, 64))
+    def admit(self, data, chunk):
+        rid = data.draw(st.sampled_from(self.waiting))
+        hit = self.m.find_cached_prefix(rid)
+        todo = self.m.num_tokens(rid) - hit
+        assert 0 <= hit < self.m.num_tokens(rid)
+        n = min(todo, chunk)
+        if self.m.allocate(rid, n):
+            self.waiting.remove(rid)
+            self.running.append(rid)
+            self._finish_step(rid, n, False, 0)
+
+    def _finish_step(self, rid, n, spec, accepted):
+        m = self.m
+        if m.num_computed(rid) + n < m.num_tokens(rid):
+            m.commit(rid, n)
+            return
+        room = self.max_new[rid] - self.made[rid]
+        if room <= 0:
+            m.commit(rid, n)
+            return
+        take = min(accepted + 1 if spec else 1, room)
+        m.commit(rid, n + (take - 1 if spec else 0), [3] * take)
+        self.made[rid] += take
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), chunk=st.integers(1, 64), accepted=st.integers(0, 3))
+    def step(self, data, chunk, accepted):
+        rid = data.draw(st.sampled_from(self.running))
+        m = self.m
+        todo = m.num_tokens(rid) - m.num_computed(rid)
+        if todo == 0:
+            return
+        spec = todo == 1 and self.spec > 0
+        n = 1 if spec else min(todo, chunk)
+        if not m.allocate(rid, n, self.la if spec else 0):
+            return  # a scheduler would preempt; the preempt rule covers that
+        self._finish_step(rid, n, spec, min(accepted, self.spec))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        rid = data.draw(st.sampled_from(self.running))
+        self.m.preempt(rid)
+        assert self.m.num_computed(rid) == 0
+        assert all(not t for t in self.m.block_tables(rid))
+        self.running.remove(rid)
+        self.waiting.append(rid)
+
+    @precondition(lambda self: self.running or self.waiting)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(self.running + self.waiting))
+        self.m.free(rid)
+        (self.running if rid in self.running else self.waiting).remove(rid)
+
+    @invariant()
+    def within_pools(self):
+        if not hasattr(self, "m"):
+            return
+        for pool in self.m.pools:
+            assert sum(pool.used.values()) + pool.num_free() == pool.usable
+
+    def teardown(self):
+        if not hasattr(self, "m"):
+            return
+        for rid in self.running + self.waiting:
+            self.m.free(rid)
+        assert self.m.blocks_used() == [0] * len(self.m.groups)
+        self.m.check_invariants()
+
+
+KINDS = ["full", "window", "kimi", "mtp", "real-llama", "real-gpt-oss", "real-kimi-dspark",
+         "real-deepseek-mtp"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_operation_sequences_keep_every_invariant(kind):
+    machine = type(f"Machine_{kind}", (BlockMachine,), {"kind": kind})
+    run = settings(max_examples=25, stateful_step_count=40, deadline=None,
+                   suppress_health_check=[HealthCheck.too_slow])(machine).TestCase
+    run().runTest()
