@@ -82,3 +82,29 @@ def test_workload_or_trace_is_required(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["simulate", "llama-3-8b", "--memory", "1GiB"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("flags, hit", [
+    # default policy: the first request saves nothing, the second finds 3 blocks cached
+    # in the MLA group (blocks of 64) and saves its state there, the third resumes at 192
+    ((), 192),
+    (("--checkpoint-every", "3"), 2 * 192),  # the first saves at 192 too
+    (("--no-checkpoints",), 0),
+])
+def test_kimi_checkpoint_flags_on_a_branching_trace(tmp_path, capsys, flags, hit):
+    shared = list(range(1, 193))
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        json.dumps({"prompt_tokens": shared + [1000 * (i + 1)] * 64, "output_len": 1,
+                    "arrival_step": 50 * i}) + "\n" for i in range(3)))
+    doc = sim_json(capsys, "kimi-k3", "--memory", "8GiB", "--max-model-len", "4096",
+                   "--trace", str(trace), *flags)
+    assert doc["requests_finished"] == 3 and doc["leaked_blocks"] == 0
+    assert doc["prefix_hit_rate"] == pytest.approx(hit / (3 * 256), abs=1e-6)
+
+
+def test_checkpoint_flags_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "kimi-k3", "--memory", "8GiB", "--workload", "chat",
+              "--checkpoint-every", "2", "--no-checkpoints"])
+    assert exc.value.code == 2

@@ -7,10 +7,11 @@ from pagedkv.blocks.coordinator import KVCacheManager, debug_from_env
 from pagedkv.blocks.events import BlockEvent, CopyOp, GroupMetrics, Metrics
 from pagedkv.blocks.hashing import HASH_ALGOS, hash_extender, root_hash
 from pagedkv.blocks.pool import NULL_BLOCK, BlockPool
+from pagedkv.blocks.recurrent import CheckpointPolicy
 from pagedkv.blocks.spec_decode import draft_block_size, lookahead_tokens
 
 __all__ = [
-    "HASH_ALGOS", "NULL_BLOCK", "BlockEvent", "BlockPool", "GroupMetrics", "KVCacheManager",
+    "HASH_ALGOS", "NULL_BLOCK", "BlockEvent", "BlockPool", "CheckpointPolicy", "GroupMetrics", "KVCacheManager",
     "CopyOp", "Metrics", "debug_from_env", "draft_block_size", "hash_extender",
     "lookahead_tokens", "root_hash",
 ]

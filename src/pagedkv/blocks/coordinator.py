@@ -20,7 +20,12 @@ from pagedkv.blocks.events import BlockEvent, CopyOp, EventLog, GroupMetrics, Me
 from pagedkv.blocks.full import FullManager
 from pagedkv.blocks.hashing import hash_extender, key_mixer, root_hash
 from pagedkv.blocks.pool import BlockPool
-from pagedkv.blocks.recurrent import RecurrentManager
+from pagedkv.blocks.recurrent import (
+    DEFAULT_POLICY,
+    NO_CHECKPOINTS,
+    CheckpointPolicy,
+    RecurrentManager,
+)
 from pagedkv.blocks.request import INF, RequestState
 from pagedkv.blocks.window import WindowManager
 from pagedkv.errors import CacheCorruptedError, InvalidArgumentError
@@ -31,7 +36,7 @@ _MANAGERS: dict[str, type[GroupManager]] = {
     "sliding_window": WindowManager,
     "chunked_local": WindowManager,
     "cross": CrossManager,
-}  # recurrent groups take one more argument (their default checkpoint interval)
+}  # recurrent groups take one more argument (their checkpoint policy)
 
 _WINDOWED = ("sliding_window", "chunked_local")
 
@@ -52,8 +57,10 @@ class KVCacheManager:
     ``pools``: pool id -> (group ids, number of blocks); default one pool per group of
     ``group.num_blocks`` blocks (block 0 of a pool serving a windowed group is the null
     block). ``checked`` (default: env ``PAGEDKV_DEBUG=1``) sweeps every invariant after
-    every call. ``recurrent_checkpoint_every``: checkpoint interval (in blocks) for
-    recurrent groups whose retention names none; checkpoints use spare state slots only.
+    every call. Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
+    only): ``recurrent_checkpoint_every`` None = the default :class:`CheckpointPolicy`
+    (branch points, prompt ends, newest decoded block), N > 0 = every N blocks and nowhere
+    else, 0 = none; ``checkpoint_policy`` overrides both. A retention's own interval wins.
     """
 
     def __init__(self, groups: Sequence[Group], *,
@@ -61,7 +68,8 @@ class KVCacheManager:
                  max_model_len: int | None = None, max_batched_tokens: int = 2048,
                  enable_caching: bool = True, hash_algo: str = "fast",
                  checked: bool | None = None, events: bool = False,
-                 recurrent_checkpoint_every: int | None = None) -> None:
+                 recurrent_checkpoint_every: int | None = None,
+                 checkpoint_policy: CheckpointPolicy | None = None) -> None:
         if not groups:
             raise InvalidArgumentError("a block manager needs at least one group")
         if max_batched_tokens <= 0:
@@ -76,14 +84,20 @@ class KVCacheManager:
         self.event_log = EventLog(events)
         self.pools = self._make_pools(pools)
         pool_of = {gid: pool for pool in self.pools for gid in pool.caches}
-        if recurrent_checkpoint_every is not None and recurrent_checkpoint_every <= 0:
+        if recurrent_checkpoint_every is not None and (
+                not isinstance(recurrent_checkpoint_every, int) or recurrent_checkpoint_every < 0):
             raise InvalidArgumentError(
-                f"recurrent_checkpoint_every must be > 0, got {recurrent_checkpoint_every}")
+                f"recurrent_checkpoint_every must be >= 0, got {recurrent_checkpoint_every!r}")
+        policy = checkpoint_policy
+        if policy is None:
+            policy = (DEFAULT_POLICY if recurrent_checkpoint_every is None
+                      else CheckpointPolicy.interval(recurrent_checkpoint_every)
+                      if recurrent_checkpoint_every else NO_CHECKPOINTS)
         managers: list[GroupManager] = []
         for i, g in enumerate(self.groups):
             args = (i, g, pool_of[g.id], enable_caching, self.event_log)
             if g.retention.kind == "recurrent":
-                managers.append(RecurrentManager(*args, recurrent_checkpoint_every))
+                managers.append(RecurrentManager(*args, policy))
             else:
                 managers.append(_MANAGERS[g.retention.kind](*args))
         self.managers: tuple[GroupManager, ...] = tuple(managers)
@@ -91,6 +105,10 @@ class KVCacheManager:
         self._window_managers = tuple(m for m in self.managers if isinstance(m, WindowManager))
         self._recurrent_managers = tuple(m for m in self.managers
                                          if isinstance(m, RecurrentManager))
+        self._spare_by_pool: dict[int, tuple[RecurrentManager, ...]] = {}
+        for m in self._recurrent_managers:
+            pid = m.pool.pool_id
+            self._spare_by_pool[pid] = self._spare_by_pool.get(pid, ()) + (m,)
         self._block_sizes = tuple(sorted({m.bs for m in self.managers}))
         self._any_caching = any(m.caching for m in self.managers)
         self._pool_per_group = len({m.pool.pool_id for m in self.managers}) == len(self.managers)
@@ -241,14 +259,19 @@ class KVCacheManager:
         h = len(req.tokens) - 1
         hits: list[list[int]] = [[] for _ in self.managers]
         answers = [-1] * len(self.managers)
+        branch = -1  # what the token groups alone have cached: where requests diverge
         while True:  # fixed point: every group's longest valid hit of at most h equals h
             for m in self.managers:
                 if answers[m.index] != h:
                     answers[m.index], hits[m.index] = m.find_hit(req, h)
+            if branch < 0 and self._recurrent_managers:
+                branch = min((answers[m.index] for m in self._token_managers), default=0)
             lowest = min(answers)
             if lowest == h:
                 break
             h = lowest
+        for m in self._recurrent_managers:
+            m.plan_marks(req, h, branch)
         self.prefix_hits += h
         req.pending = (h, self._epoch(), hits)
         req.fast_limit = req.slot_limit = -1
@@ -308,12 +331,15 @@ class KVCacheManager:
             for m in self._window_managers:
                 m.drop_out_of_window(req)
         hits = pending[2] if pending is not None else None
+        short: list[tuple[BlockPool, int]] = []  # pools whose unsent saves must give way
         if self._pool_per_group:
             for m in self.managers:
                 k = m.blocks_needed(req, end, hits[m.index] if hits is not None else None)
                 if k and k > m.pool.num_free():
-                    self._raise_if_never(req, end)
-                    return False
+                    if k > m.pool.num_free() + self._spare(m.pool):
+                        self._raise_if_never(req, end)
+                        return False
+                    short.append((m.pool, k))
         else:
             need: dict[int, int] = {}
             for m in self.managers:
@@ -321,9 +347,14 @@ class KVCacheManager:
                 if k:
                     need[m.pool.pool_id] = need.get(m.pool.pool_id, 0) + k
             for pool in self.pools:
-                if need.get(pool.pool_id, 0) > pool.num_free():
+                k = need.get(pool.pool_id, 0)
+                if k > pool.num_free() and k > pool.num_free() + self._spare(pool):
                     self._raise_if_never(req, end)
                     return False
+                if k > pool.num_free():
+                    short.append((pool, k))
+        for pool, k in short:
+            self._make_room(pool, k)  # checkpoints never block an allocation
         for m in self.managers:
             m.allocate(req, end, hits[m.index] if hits is not None else None)
         if pending is not None:
@@ -341,6 +372,14 @@ class KVCacheManager:
         self._update_limits(req, end)
         return True
 
+    def _spare(self, pool: BlockPool) -> int:
+        """Slots of ``pool`` held by saves the engine has not been handed yet."""
+        return sum(m.spare() for m in self._spare_by_pool.get(pool.pool_id, ()))
+
+    def _make_room(self, pool: BlockPool, want_free: int) -> None:
+        for m in self._spare_by_pool.get(pool.pool_id, ()):
+            m.cancel_open(want_free)
+
     def _raise_if_never(self, req: RequestState, end: int) -> None:
         admission.check_fits(self.managers, end, self.max_batched_tokens, None)
 
@@ -355,7 +394,7 @@ class KVCacheManager:
         req.last_block_start = last
         fast = limit
         for m in self._recurrent_managers:
-            fast = min(fast, m.fast_limit(end))
+            fast = min(fast, m.fast_limit(req, end))
         req.fast_limit = fast
 
     def commit(self, request_id: object, num_computed: int,
@@ -458,6 +497,8 @@ class KVCacheManager:
             if m.ops:
                 out += m.ops
                 m.ops = []
+        for m in self._recurrent_managers:
+            m.handed_out()  # the engine will write these saves: no longer cancellable
         return out
 
     def reset_prefix_cache(self) -> bool:

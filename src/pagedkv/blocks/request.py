@@ -21,7 +21,7 @@ class RequestState:
     __slots__ = ("id", "tokens", "num_prompt", "max_new_tokens", "num_computed", "root",
                  "mm_spans", "hashes", "tables", "ncached", "first_live", "copy_src",
                  "pending", "slot_limit", "fast_limit", "last_block_start", "next_event",
-                 "num_preemptions", "saves")
+                 "num_preemptions", "saves", "marks", "rolling")
 
     def __init__(self, request_id: object, tokens: list[int], root: int,
                  mm_spans: tuple[tuple[int, int, int], ...], num_groups: int,
@@ -45,6 +45,9 @@ class RequestState:
         self.next_event = 0  # the first commit works out the real one
         self.num_preemptions = 0
         self.saves: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        # recurrent groups: checkpoint positions chosen at lookup; newest decode checkpoint
+        self.marks: list[list[int]] = [[] for _ in range(num_groups)]
+        self.rolling: list[tuple[int, int] | None] = [None] * num_groups
 
     def reset(self) -> None:
         """Back to "nothing computed" (preemption): tokens and hashes stay for recompute."""
@@ -60,3 +63,4 @@ class RequestState:
         self.last_block_start = -1
         self.next_event = 0  # the first commit works out the real one
         self.saves = [[] for _ in range(n)]
+        self.marks = [[] for _ in range(n)]

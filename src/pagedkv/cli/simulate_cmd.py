@@ -57,9 +57,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--hash", choices=HASH_ALGOS, default="fast",
                         help="block hash (default fast; sha256 for multi-tenant caches)")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--checkpoint-every", type=positive_int, metavar="N",
-                        help="recurrent groups whose model sets no checkpoints save their state "
-                        "every N blocks into spare slots, so prefixes can hit (default: none)")
+    ckpt = parser.add_mutually_exclusive_group()
+    ckpt.add_argument("--checkpoint-every", type=positive_int, metavar="N",
+                      help="recurrent groups whose model sets no checkpoints save their state "
+                      "every N blocks and nowhere else (default: at branch points and the "
+                      "newest decoded block, in spare state slots)")
+    ckpt.add_argument("--no-checkpoints", action="store_true",
+                      help="no recurrent checkpoints (recurrent models then get no prefix hits)")
     parser.add_argument("--checked", action="store_true",
                         help="sweep every invariant after every call (slow; also PAGEDKV_DEBUG=1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     manager = KVCacheManager.from_plan(plan, hash_algo=args.hash,
                                        enable_caching=not args.no_prefix_caching,
                                        checked=True if args.checked else None,
-                                       recurrent_checkpoint_every=args.checkpoint_every)
+                                       recurrent_checkpoint_every=0 if args.no_checkpoints
+                                       else args.checkpoint_every)
     result = simulate(manager, requests, options)
     title = spec.name + (f" + {spec.draft_name}" if spec.draft_name else "")
     if args.plot:

@@ -184,6 +184,7 @@ def simulate(manager: KVCacheManager, requests: Sequence[SimRequest],
             scheduled.append((live, n, False))
             budget -= n
         timeline.append(tuple(mgr.blocks_used()))
+        mgr.drain_copy_ops()  # what an engine runs before the forward
         # 3) the forward is done: commit, sample, finish
         done = []
         for live, n, spec in scheduled:
