@@ -60,6 +60,7 @@ def test_kimi_with_dspark_speculative_steps_leak_nothing(capsys):
 
 
 def test_human_output_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
     png = tmp_path / "blocks.png"
     code, out, err = run_cli(capsys, "simulate", "gpt-oss-20b", "--memory", "1GiB",
                              "--max-model-len", "4096", "--workload", "agentic",
@@ -67,6 +68,17 @@ def test_human_output_and_plot(tmp_path, capsys):
     assert code == 0, err
     assert "prefix hit rate" in out and "sliding_window" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_one_line_and_status_2(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # any import of it now fails
+    code, _, err = run_cli(capsys, "simulate", "gpt-oss-20b", "--memory", "1GiB",
+                           "--max-model-len", "4096", "--workload", "agentic",
+                           "--requests", "2", "--plot", str(tmp_path / "x.png"))
+    assert code == 2
+    assert "matplotlib" in err and len(err.strip().splitlines()) == 1
 
 
 def test_bad_trace_exits_2_with_the_line_number(tmp_path, capsys):
