@@ -77,6 +77,61 @@ def test_plan_human_output_names_groups_and_limit(capsys):
     assert "limited by" in out
 
 
+def test_plan_typical_len_reports_both_capacities(capsys):
+    doc = plan_json(capsys, "gpt-oss-20b", "--memory", "40GiB", "--max-model-len", "16384",
+                    "--typical-len", "2048")
+    cap = doc["capacity"]
+    assert set(cap) == {"max_model_len", "max_concurrency", "tokens", "limited_by", "typical"}
+    assert cap["max_model_len"] == 16384 and cap["max_concurrency"] >= 1
+    typical = cap["typical"]
+    assert set(typical) == {"len", "max_concurrency", "tokens"} and typical["len"] == 2048
+    assert typical["tokens"] == int(typical["max_concurrency"] * 2048)
+    names = [a["name"] for a in doc["alternatives"]]
+    assert names == ["vllm", "pagedkv-max-len"]
+    longest = doc["alternatives"][1]
+    assert set(longest["capacity"]) == set(cap)
+    # the trade: more short requests, fewer of max_model_len
+    assert typical["max_concurrency"] > longest["capacity"]["typical"]["max_concurrency"]
+    assert cap["max_concurrency"] <= longest["capacity"]["max_concurrency"]
+    assert doc["alternatives"][0]["capacity"]["typical"] is None
+    window, full = doc["groups"]
+    assert window["reserved_blocks"] == 1 and full["reserved_blocks"] == 0
+    pools = {p["id"]: p for p in doc["pools"]}
+    assert pools[0]["reserved_pages"] == 1 and pools[0]["num_pages"] == window["num_blocks"]
+    without = plan_json(capsys, "gpt-oss-20b", "--memory", "40GiB", "--max-model-len", "16384")
+    assert without["capacity"]["typical"] is None
+    assert [a["name"] for a in without["alternatives"]] == ["vllm"]
+    assert without["capacity"]["max_concurrency"] == longest["capacity"]["max_concurrency"]
+    code, out, _ = run_cli(capsys, "plan", "gpt-oss-20b", "--memory", "40GiB",
+                           "--max-model-len", "16384", "--typical-len", "2048")
+    assert code == 0 and "typical: " in out and "compare pagedkv-max-len" in out
+
+
+def test_simulate_typical_len_runs_more_requests_at_once(capsys):
+    def sim(*extra):
+        code, out, err = run_cli(capsys, "simulate", "gpt-oss-20b", "--memory", "40GiB",
+                                 "--max-model-len", "16384", "--workload", "shared-prefix",
+                                 "--requests", "150", *extra, "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+    before, after = sim(), sim("--typical-len", "2048")
+    for doc in (before, after):
+        assert doc["requests_finished"] == 150 and doc["leaked_blocks"] == 0
+    (w0, f0), (w1, f1) = before["groups"], after["groups"]
+    assert w0["retention"] == w1["retention"] == "sliding_window"
+    # without it the window pool is the limit: it fills up
+    assert w0["peak_blocks"] >= w0["num_blocks"] - 2
+    # with it the window group holds more blocks at once than the old pool had in all,
+    # the full-attention group more requests' tokens, and more requests decode per step
+    # (tokens per step = requests decoding at once, on average: the peak concurrency shows
+    # in the pools' peaks, the JSON has no running count)
+    assert w1["peak_blocks"] > w0["num_blocks"]
+    assert f1["peak_blocks"] > f0["peak_blocks"]
+    assert after["generated_tokens_per_step"] > before["generated_tokens_per_step"]
+    assert after["steps"] < before["steps"]
+
+
 def test_gpu_budget_uses_weights(capsys):
     small = plan_json(capsys, "llama-3-8b", "--gpu", "h200", "--weights", "100GiB")
     large = plan_json(capsys, "llama-3-8b", "--gpu", "h200", "--weights", "16GiB")
@@ -97,6 +152,10 @@ def test_gpu_budget_uses_weights(capsys):
         (["plan", "llama-3-8b", "--memory", "40GiB", "--kv-dtype", "fp8_ds_mla"], "fp8_ds_mla"),
         (["plan", "llama-3-8b", "--memory", "40GiB", "--tp", "3"], "3"),
         (["plan", "llama-3-8b", "--memory", "40GiB", "--block-size", "0"], "0"),
+        (["plan", "llama-3-8b", "--memory", "40GiB", "--typical-len", "0"], "0"),
+        (["plan", "llama-3-8b", "--memory", "40GiB", "--typical-len", "9000"], "9000"),
+        (["simulate", "llama-3-8b", "--memory", "40GiB", "--typical-len", "9000",
+          "--workload", "chat"], "9000"),
         (["plan", "llama-3-8b", "--memory", "40GiB", "--draft", "mtp"], "mtp"),
         (["plan", "llama-3-8b"], "budget"),
         (["frobnicate"], "frobnicate"),

@@ -62,14 +62,16 @@ def test_gpt_oss_window_counts_window_per_request_and_step_once():
     assert sliding.step_blocks == 2048 // 16 == 128  # once per step for the whole batch
     assert full.blocks_per_request == 131072 // 16 and full.step_blocks == 0
     # both groups have a 16 x 36864-byte page: 40 GiB holds 72817 pages, 128 go to the
-    # step; c requests need ceil(9c) + ceil(8192c) pages <= 72689. c = k/8192:
-    # k = 72609 -> 80 + 72609 = 72689 fits, k = 72610 does not; c = j/9 is worse.
+    # step and 1 to the window's null block; c requests need ceil(9c) + ceil(8192c)
+    # pages <= 72688. c = k/8192: k = 72608 -> 80 + 72608 = 72688 fits, k = 72609 does
+    # not; c = j/9 is worse.
     page = 16 * 18 * 2 * 8 * 64 * 2
-    assert 40 * GiB // page - 128 == 72689
-    assert full.num_blocks == 72609
-    assert sliding.num_blocks == 128 + 80
-    assert plan.capacity.max_concurrency == pytest.approx(72609 / 8192)
-    assert plan.capacity.tokens == 72609 * 16
+    assert 40 * GiB // page - 128 - 1 == 72688
+    assert full.num_blocks == 72608 and full.reserved_blocks == 0
+    assert sliding.num_blocks == 1 + 128 + 80 and sliding.reserved_blocks == 1
+    assert math.ceil(9 * 72608 / 8192) == 80
+    assert plan.capacity.max_concurrency == pytest.approx(72608 / 8192)
+    assert plan.capacity.tokens == 72608 * 16
     # vLLM charges each request cdiv(127 + 2 x 2048, 16) + 1 = 265 window blocks
     vllm = _vllm(plan)
     assert vllm.num_blocks == 40 * GiB // page
@@ -132,11 +134,13 @@ def test_llama4_scout_chunks():
     assert chunked.blocks_per_request == 8192 // 16  # chunks align to blocks: no extra
     assert chunked.step_blocks == 128
     # pages: chunked 16 x 36 x 4096 = 3 units of 16 x 12 x 4096; 54613 units - 384 for the
-    # step = 54229; 3 ceil(k/32) + k <= 54229 -> k = 49579 (k = 49580 needs 54230)
-    assert 40 * GiB // (16 * 12 * 4096) - 3 * 128 == 54229
-    assert full.num_blocks == 49579
-    assert chunked.num_blocks == 128 + math.ceil(49579 / 32)
-    assert plan.capacity.tokens == 49579 * 16
+    # step - 3 for the chunked group's null block = 54226; 3 ceil(k/32) + k <= 54226 ->
+    # k = 49576 (3 x 1550 + 49576 = 54226; k = 49577 needs 54227)
+    assert 40 * GiB // (16 * 12 * 4096) - 3 * 128 - 3 == 54226
+    assert 3 * math.ceil(49576 / 32) + 49576 == 54226
+    assert full.num_blocks == 49576
+    assert chunked.num_blocks == 1 + 128 + math.ceil(49576 / 32)
+    assert plan.capacity.tokens == 49576 * 16
     vllm = _vllm(plan)
     # vLLM: 4 groups of 12, cdiv(8192 + 4096, 16) = 768 blocks per chunked group
     assert vllm.num_blocks == 40 * GiB // (16 * 4096 * 12)

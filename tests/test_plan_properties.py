@@ -99,7 +99,8 @@ def check_invariants(plan, layers, options):
         if g.is_recurrent:
             assert g.num_blocks >= cap.max_concurrency
         else:
-            held = (g.num_blocks - g.step_blocks) / g.blocks_per_request
+            assert g.reserved_blocks == (g.retention.kind in ("sliding_window", "chunked_local"))
+            held = (g.num_blocks - g.reserved_blocks - g.step_blocks) / g.blocks_per_request
             assert held >= cap.max_concurrency * (1 - 1e-12)
     assert 0 <= plan.padding_bytes <= plan.budget_bytes
     assert [a.name for a in plan.alternatives] == ["vllm"]

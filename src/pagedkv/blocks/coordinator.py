@@ -29,6 +29,7 @@ from pagedkv.blocks.recurrent import (
 from pagedkv.blocks.request import INF, RequestState
 from pagedkv.blocks.window import WindowManager
 from pagedkv.errors import CacheCorruptedError, InvalidArgumentError
+from pagedkv.plan.sizing import reserved_blocks
 from pagedkv.plan.types import Group, Plan
 
 _MANAGERS: dict[str, type[GroupManager]] = {
@@ -38,13 +39,16 @@ _MANAGERS: dict[str, type[GroupManager]] = {
     "cross": CrossManager,
 }  # recurrent groups take one more argument (their checkpoint policy)
 
-_WINDOWED = ("sliding_window", "chunked_local")
-
 # calls the checked mode guards (and refuses once corrupted)
 _PUBLIC = ("add_request", "find_cached_prefix", "allocate", "allocate_batch", "commit",
            "commit_batch", "free", "preempt",
            "block_tables", "check_fits", "metrics", "drain_events", "drain_copy_ops",
            "reset_prefix_cache", "num_computed", "num_tokens")
+
+
+def _null_pages(groups: Iterable[Group]) -> int:
+    """Null blocks a pool serving ``groups`` reserves: one if any group needs it."""
+    return max((reserved_blocks(g.retention) for g in groups), default=0)
 
 
 def debug_from_env() -> bool:
@@ -55,8 +59,10 @@ class KVCacheManager:
     """Blocks for every group of a plan.
 
     ``pools``: pool id -> (group ids, number of blocks); default one pool per group of
-    ``group.num_blocks`` blocks (block 0 of a pool serving a windowed group is the null
-    block). ``checked`` (default: env ``PAGEDKV_DEBUG=1``) sweeps every invariant after
+    ``group.num_blocks`` blocks. Block 0 of a pool serving a sliding-window or chunked group
+    is the null block (:func:`pagedkv.plan.reserved_blocks`); a plan counts it in
+    ``Group.num_blocks`` / ``Pool.num_pages`` (``reserved_blocks`` / ``reserved_pages``), so
+    the usable blocks equal the plan's. ``checked`` (default: env ``PAGEDKV_DEBUG=1``) sweeps every invariant after
     every call. Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
     only): ``recurrent_checkpoint_every`` None = the default :class:`CheckpointPolicy`
     (branch points, prompt ends, newest decoded block), N > 0 = every N blocks and nowhere
@@ -127,6 +133,15 @@ class KVCacheManager:
         """Manager for ``plan``: its groups and (rank 0's) pools, its token budget."""
         pools = None
         if plan.ranks and plan.ranks[0].pools:
+            by_id = {g.id: g for g in plan.groups}
+            for p in plan.ranks[0].pools:
+                need = _null_pages(by_id[g] for g in p.group_ids if g in by_id)
+                if p.reserved_pages != need:
+                    raise InvalidArgumentError(
+                        f"pool {p.id} of the plan reserves {p.reserved_pages} pages but its "
+                        f"groups {list(p.group_ids)} need {need} (the null block of a window): "
+                        "plan it again with this version"
+                    )
             pools = {p.id: (p.group_ids, p.num_pages) for p in plan.ranks[0].pools}
             held = sorted(g for gids, _ in pools.values() for g in gids)
             if held != sorted(g.id for g in plan.groups):  # a rank that holds some groups only
@@ -144,10 +159,10 @@ class KVCacheManager:
             spec = {g.id: ((g.id,), g.num_blocks) for g in self.groups}
         pools = []
         seen: list[int] = []
-        windowed = {g.id for g in self.groups if g.retention.kind in _WINDOWED}
+        by_id = {g.id: g for g in self.groups}
         for pid, (gids, num_blocks) in spec.items():
             pool = BlockPool(num_blocks, pid, self.event_log,
-                             reserve_null=any(gid in windowed for gid in gids))
+                             reserve_null=_null_pages(by_id[g] for g in gids if g in by_id) > 0)
             for gid in gids:
                 pool.cache_for(gid)
                 seen.append(gid)

@@ -6,7 +6,9 @@ in an insertion-ordered LRU (oldest evicted first). Block 0 is the null block: n
 allocated, used as a placeholder in block tables for positions a window has dropped.
 Several block-table groups may draw from one pool; each has its own hash -> block map.
 Only pools serving windowed groups need the null block (``reserve_null``); the others
-hand out every page the planner sized, so admission and planning agree to the block.
+hand out every page. The planner counts the null block in the pool's pages
+(``Pool.reserved_pages``), so ``usable`` equals the blocks it planned for requests and
+admission and planning agree to the block.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "max_position_embeddings)")
     parser.add_argument("--max-batched-tokens", type=positive_int, default=2048, metavar="N",
                         help="tokens one step may process over the whole batch (default 2048)")
+    parser.add_argument("--typical-len", type=positive_int, metavar="N",
+                        help="size the pools for the most requests of N tokens at once, "
+                        "keeping room for one of --max-model-len (default: size them for "
+                        "requests of --max-model-len)")
     parser.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallel")
     parser.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline parallel")
 
@@ -84,5 +88,6 @@ def plan_from_args(args: argparse.Namespace):
         max_batched_tokens=args.max_batched_tokens,
         tp=args.tp,
         pp=args.pp,
+        typical_len=args.typical_len,
     )
     return spec, make_plan(spec.layers, options)

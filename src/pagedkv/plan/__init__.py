@@ -9,6 +9,7 @@ from pagedkv.plan.grouping import default_block_size
 from pagedkv.plan.planner import make_plan
 from pagedkv.plan.report import format_plan, plan_to_dict
 from pagedkv.plan.sizes import format_bytes, parse_size
+from pagedkv.plan.sizing import reserved_blocks
 from pagedkv.plan.types import (
     Capacity,
     Group,
@@ -18,10 +19,12 @@ from pagedkv.plan.types import (
     RankPlan,
     StrategyReport,
     TensorView,
+    TypicalCapacity,
 )
 
 __all__ = [
     "GPU", "GPUS", "Capacity", "Group", "Plan", "PlanOptions", "Pool", "RankPlan",
-    "StrategyReport", "TensorView", "budget_from_gpu", "default_block_size", "find_gpu",
-    "format_bytes", "format_plan", "make_plan", "parse_size", "plan_to_dict",
+    "StrategyReport", "TensorView", "TypicalCapacity", "budget_from_gpu", "default_block_size",
+    "find_gpu", "format_bytes", "format_plan", "make_plan", "parse_size", "plan_to_dict",
+    "reserved_blocks",
 ]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from pagedkv.plan.sizes import format_bytes
-from pagedkv.plan.types import Group
+from pagedkv.plan.types import Group, TypicalCapacity
 from pagedkv.spec import AttentionKV, IndexerKV, Layout, MLALatent, RecurrentState
 
 
@@ -65,6 +65,7 @@ def limit_sentence(
     state_text: str | None,
     largest: str,
     largest_share: float,
+    typical: TypicalCapacity | None = None,
 ) -> str:
     """The one sentence of ``capacity.limited_by``."""
     where = " per rank" if many_ranks else ""
@@ -72,6 +73,11 @@ def limit_sentence(
         f"KV memory: {format_bytes(budget)}{where} holds {requests_text(concurrency)} requests "
         f"of {max_model_len} tokens"
     )
+    if typical is not None:
+        text += (
+            f" (pools sized for {requests_text(Fraction(typical.max_concurrency))} requests "
+            f"of {typical.len} tokens)"
+        )
     if slots_bind and state_text:
         text += f", one state slot each in the {state_text}"
     text += f"; the {largest} takes {largest_share:.0%} of it"

@@ -10,19 +10,40 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.explain import describe_group, limit_sentence
 from pagedkv.plan.grouping import LayerGroup, default_block_size, group_layers
-from pagedkv.plan.sizing import GroupDemand, Sizing, StageBytes, solve, stage_bytes
+from pagedkv.plan.sizing import (
+    GroupDemand,
+    Sizing,
+    StageBytes,
+    held_requests,
+    reserved_blocks,
+    solve,
+    solve_typical,
+    stage_bytes,
+)
 from pagedkv.plan.stages import Stage, split_stages
-from pagedkv.plan.types import Capacity, Group, Plan, PlanOptions, RankPlan
+from pagedkv.plan.types import (
+    Capacity,
+    Group,
+    Plan,
+    PlanOptions,
+    Pool,
+    RankPlan,
+    StrategyReport,
+    TensorView,
+    TypicalCapacity,
+)
 from pagedkv.plan.views import stage_pools
 from pagedkv.plan.vllm_model import vllm_report
 from pagedkv.spec import LayerSpec, blocks_per_request, cdiv, step_blocks
 
 STRATEGY = "pagedkv"
 STRATEGIES = ("auto", STRATEGY)  # strategies make_plan can build; "vllm" is reported only
+MAX_LEN_STRATEGY = "pagedkv-max-len"  # reported next to a plan sized for typical_len
 
 
 def _check_options(options: PlanOptions) -> None:
@@ -33,6 +54,15 @@ def _check_options(options: PlanOptions) -> None:
     bs = options.block_size
     if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0):
         raise InvalidArgumentError(f"block_size must be a positive integer, got {bs!r}")
+    typical = options.typical_len
+    if typical is not None and (
+        not isinstance(typical, int) or isinstance(typical, bool) or typical <= 0
+    ):
+        raise InvalidArgumentError(f"typical_len must be a positive integer, got {typical!r}")
+    if typical is not None and typical > options.max_model_len:
+        raise InvalidArgumentError(
+            f"typical_len {typical} exceeds max_model_len {options.max_model_len}"
+        )
     if options.strategy not in STRATEGIES:
         raise InvalidArgumentError(
             f"unknown strategy {options.strategy!r}; make_plan builds {STRATEGIES} "
@@ -43,6 +73,9 @@ def _check_options(options: PlanOptions) -> None:
 def make_plan(layers: Sequence[LayerSpec], options: PlanOptions) -> Plan:
     """Plan the KV cache of ``layers`` (every rank's, target and drafters) in ``options``.
 
+    With ``options.typical_len`` the pools are sized for the most requests of that length
+    (one of ``max_model_len`` still fits); the plan sized for ``max_model_len`` is then
+    reported in ``alternatives`` as ``pagedkv-max-len``.
     Raises InvalidArgumentError for a bad option or no layers, ConfigError for duplicate
     layer names, DoesNotFitError when one request of ``max_model_len`` does not fit.
     """
@@ -53,31 +86,10 @@ def make_plan(layers: Sequence[LayerSpec], options: PlanOptions) -> Plan:
     block_size = options.block_size or default_block_size(layers)
     layer_groups, group_of = group_layers(layers)
     stages = split_stages(layers, group_of, options.tp, options.pp)
-    demands = [_demand(g, block_size, options) for g in layer_groups]
+    demands = [_demand(g, block_size, options.max_model_len, options) for g in layer_groups]
     per_stage = [stage_bytes(stage, demands, block_size) for stage in stages]
     sizing = solve(per_stage, demands, block_size, options.budget_bytes, options.max_model_len)
-    groups = tuple(
-        _group(i, g, demands[i], block_size, sizing.num_blocks[i], per_stage)
-        for i, g in enumerate(layer_groups)
-    )
-    recurrent = [d.recurrent for d in demands]
-    ranks: list[RankPlan] = []
-    data_bytes: dict[int, int] = {}
-    for stage in stages:
-        pools, views = stage_pools(
-            stage, per_stage[stage.index], recurrent, sizing.num_blocks, block_size
-        )
-        data_bytes[stage.index] = sum(v.nbytes for v in views)
-        names = tuple(member.layer.name for member in stage.layers)
-        used = sum(p.nbytes for p in pools)
-        ranks.extend(
-            RankPlan(tp_rank, stage.index, names, pools, views, used)
-            for tp_rank in range(options.tp)
-        )
-    tokens = math.floor(sizing.concurrency * options.max_model_len)
-    limited_by = _limited_by(options, groups, stages, per_stage, sizing, block_size)
-    capacity = Capacity(options.max_model_len, float(sizing.concurrency), tokens, limited_by)
-    alternatives = (
+    alternatives = [
         vllm_report(
             stages,
             options.budget_bytes,
@@ -86,30 +98,148 @@ def make_plan(layers: Sequence[LayerSpec], options: PlanOptions) -> Plan:
             options.max_batched_tokens,
             options.pp,
         ),
-    )
+    ]
+    layout = _Layout(options, layer_groups, stages, per_stage, demands, block_size)
+    if options.typical_len is None:
+        built = sizing
+        capacity = layout.capacity(sizing, sizing.concurrency, None)
+    else:
+        typical = [_demand(g, block_size, options.typical_len, options) for g in layer_groups]
+        floors = [d.blocks_per_request + d.step_blocks for d in demands]
+        built = solve_typical(per_stage, typical, floors, block_size, options.budget_bytes)
+        capacity = layout.capacity(
+            built, held_requests(built.num_blocks, demands), built.concurrency
+        )
+        longest = layout.capacity(
+            sizing, sizing.concurrency, held_requests(sizing.num_blocks, typical)
+        )
+        alternatives.append(layout.report(sizing, longest))
+    groups, ranks, data_bytes = layout.build(built.num_blocks)
     return Plan(
         options=options,
         budget_bytes=options.budget_bytes,
         strategy=STRATEGY,
         groups=groups,
-        ranks=tuple(ranks),
+        ranks=ranks,
         capacity=capacity,
-        padding_bytes=options.budget_bytes - data_bytes[sizing.binding_stage],
-        alternatives=alternatives,
+        padding_bytes=options.budget_bytes - data_bytes[built.binding_stage],
+        alternatives=tuple(alternatives),
     )
 
 
-def _demand(group: LayerGroup, block_size: int, options: PlanOptions) -> GroupDemand:
-    """A group's worst case per request and per step. A window or chunk that frees nothing
-    within max_model_len holds every block of the request already: the step's new tokens
-    are among them, so they cost no extra blocks."""
+def _demand(
+    group: LayerGroup, block_size: int, length: int, options: PlanOptions
+) -> GroupDemand:
+    """A group's worst case per request of ``length`` tokens and per step. A window or
+    chunk that frees nothing within that length holds every block of the request already:
+    the step's new tokens are among them, so they cost no extra blocks."""
     if group.retention.kind == "recurrent":
         return GroupDemand(True, 1, 0)
-    held = blocks_per_request(group.retention, options.max_model_len, block_size)
+    held = blocks_per_request(group.retention, length, block_size)
     step = step_blocks(group.retention, options.max_batched_tokens, block_size)
-    if held >= cdiv(options.max_model_len, block_size):
+    if held >= cdiv(length, block_size):
         step = 0
-    return GroupDemand(False, held, step)
+    return GroupDemand(False, held, step, reserved_blocks(group.retention))
+
+
+class _Layout:
+    """Turns a sizing into groups, rank pools and views, a capacity and a report."""
+
+    def __init__(
+        self,
+        options: PlanOptions,
+        layer_groups: Sequence[LayerGroup],
+        stages: Sequence[Stage],
+        per_stage: Sequence[StageBytes],
+        demands: Sequence[GroupDemand],
+        block_size: int,
+    ) -> None:
+        self.options = options
+        self.layer_groups = layer_groups
+        self.stages = stages
+        self.per_stage = per_stage
+        self.demands = demands
+        self.block_size = block_size
+
+    def groups(self, num_blocks: Sequence[int]) -> tuple[Group, ...]:
+        return tuple(
+            _group(i, g, self.demands[i], self.block_size, num_blocks[i], self.per_stage)
+            for i, g in enumerate(self.layer_groups)
+        )
+
+    def pools(
+        self, stage: Stage, num_blocks: Sequence[int]
+    ) -> tuple[tuple[Pool, ...], tuple[TensorView, ...]]:
+        return stage_pools(
+            stage,
+            self.per_stage[stage.index],
+            [d.recurrent for d in self.demands],
+            [d.reserved for d in self.demands],
+            num_blocks,
+            self.block_size,
+        )
+
+    def build(
+        self, num_blocks: Sequence[int]
+    ) -> tuple[tuple[Group, ...], tuple[RankPlan, ...], dict[int, int]]:
+        """Groups, every rank's pools and views, and the data bytes of each stage."""
+        ranks: list[RankPlan] = []
+        data_bytes: dict[int, int] = {}
+        for stage in self.stages:
+            pools, views = self.pools(stage, num_blocks)
+            data_bytes[stage.index] = sum(v.nbytes for v in views)
+            names = tuple(member.layer.name for member in stage.layers)
+            used = sum(p.nbytes for p in pools)
+            ranks.extend(
+                RankPlan(tp_rank, stage.index, names, pools, views, used)
+                for tp_rank in range(self.options.tp)
+            )
+        return self.groups(num_blocks), tuple(ranks), data_bytes
+
+    def capacity(
+        self, sizing: Sizing, at_max_len: Fraction, at_typical: Fraction | None
+    ) -> Capacity:
+        """Capacity of ``sizing``'s pools: ``at_max_len`` requests of max_model_len, and
+        ``at_typical`` of typical_len (None without one)."""
+        opts = self.options
+        typical = None
+        if at_typical is not None and opts.typical_len is not None:
+            typical = TypicalCapacity(
+                opts.typical_len,
+                float(at_typical),
+                math.floor(at_typical * opts.typical_len),
+            )
+        token = [
+            held_requests([n], [d])
+            for n, d in zip(sizing.num_blocks, self.demands)
+            if not d.recurrent
+        ]
+        slots_bind = sizing.slots > 0 and (not token or sizing.slots <= min(token))
+        limited_by = _limited_by(
+            opts, self.groups(sizing.num_blocks), self.stages, self.per_stage, sizing,
+            self.block_size, at_max_len, slots_bind, typical,
+        )
+        return Capacity(
+            opts.max_model_len,
+            float(at_max_len),
+            math.floor(at_max_len * opts.max_model_len),
+            limited_by,
+            typical,
+        )
+
+    def report(self, sizing: Sizing, capacity: Capacity) -> StrategyReport:
+        """``sizing`` (pools for requests of max_model_len) as a comparison row."""
+        stage = self.stages[sizing.binding_stage]
+        _, views = self.pools(stage, sizing.num_blocks)
+        return StrategyReport(
+            name=MAX_LEN_STRATEGY,
+            num_blocks=sum(sizing.num_blocks),
+            padding_bytes=self.options.budget_bytes - sum(v.nbytes for v in views),
+            capacity=capacity,
+            notes=("pools sized for requests of max_model_len (no typical_len)",),
+            block_size=self.block_size,
+            num_groups=len(self.layer_groups),
+        )
 
 
 def _group(
@@ -133,6 +263,7 @@ def _group(
         num_blocks=num_blocks,
         blocks_per_request=demand.blocks_per_request,
         step_blocks=demand.step_blocks,
+        reserved_blocks=demand.reserved,
     )
 
 
@@ -143,6 +274,9 @@ def _limited_by(
     per_stage: Sequence[StageBytes],
     sizing: Sizing,
     block_size: int,
+    concurrency: Fraction,
+    slots_bind: bool,
+    typical: TypicalCapacity | None,
 ) -> str:
     stage = stages[sizing.binding_stage]
     units = per_stage[sizing.binding_stage].unit
@@ -156,9 +290,6 @@ def _limited_by(
 
     largest = max((g for g in groups if g.id in units), key=held)
     state = [g for g in groups if g.is_recurrent and g.id in units]
-    slots_bind = bool(state) and (
-        sizing.token_requests is None or sizing.slots <= sizing.token_requests
-    )
     state_text = None
     if state:
         biggest = max(state, key=lambda g: units[g.id])
@@ -168,9 +299,10 @@ def _limited_by(
         many_ranks=options.tp * options.pp > 1,
         binding_stage=sizing.binding_stage if options.pp > 1 else None,
         max_model_len=options.max_model_len,
-        concurrency=sizing.concurrency,
-        slots_bind=slots_bind,
+        concurrency=concurrency,
+        slots_bind=slots_bind and bool(state),
         state_text=state_text,
         largest=describe_group(largest, layouts[largest.id], units[largest.id]),
         largest_share=held(largest) / options.budget_bytes,
+        typical=typical,
     )

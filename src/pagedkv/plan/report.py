@@ -8,7 +8,15 @@ from typing import Any
 
 from pagedkv.plan.explain import layer_mix, retention_label
 from pagedkv.plan.sizes import format_bytes
-from pagedkv.plan.types import Capacity, Group, Plan, Pool, StrategyReport, TensorView
+from pagedkv.plan.types import (
+    Capacity,
+    Group,
+    Plan,
+    Pool,
+    StrategyReport,
+    TensorView,
+    TypicalCapacity,
+)
 from pagedkv.spec import Retention
 
 
@@ -24,6 +32,11 @@ def _capacity(cap: Capacity) -> dict[str, Any]:
         "max_concurrency": cap.max_concurrency,
         "tokens": cap.tokens,
         "limited_by": cap.limited_by,
+        "typical": None if cap.typical is None else {
+            "len": cap.typical.len,
+            "max_concurrency": cap.typical.max_concurrency,
+            "tokens": cap.typical.tokens,
+        },
     }
 
 
@@ -41,6 +54,7 @@ def _group(g: Group) -> dict[str, Any]:
         "num_blocks": g.num_blocks,
         "blocks_per_request": g.blocks_per_request,
         "step_blocks": g.step_blocks,
+        "reserved_blocks": g.reserved_blocks,
     }
 
 
@@ -51,6 +65,7 @@ def _pool(p: Pool) -> dict[str, Any]:
         "nbytes": p.nbytes,
         "num_pages": p.num_pages,
         "page_bytes": p.page_bytes,
+        "reserved_pages": p.reserved_pages,
     }
 
 
@@ -150,6 +165,14 @@ def _percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:.2f}%"
 
 
+def _typical_text(t: TypicalCapacity) -> str:
+    return f"{t.max_concurrency:.2f} requests of {t.len} tokens at once = {t.tokens} tokens"
+
+
+def _typical_line(cap: Capacity) -> list[str]:
+    return [] if cap.typical is None else [f"typical: {_typical_text(cap.typical)}"]
+
+
 def format_plan(plan: Plan) -> str:
     """Human output: a row per group, capacity, padding, the limit, the comparison."""
     opts = plan.options
@@ -187,6 +210,7 @@ def format_plan(plan: Plan) -> str:
         "",
         f"capacity ({plan.strategy}): {cap.max_concurrency:.2f} requests of {cap.max_model_len} "
         f"tokens at once = {cap.tokens} tokens",
+        *_typical_line(cap),
         f"padding: {format_bytes(plan.padding_bytes)} "
         f"({_percent(plan.padding_bytes, plan.budget_bytes)} of the budget)",
         f"limited by: {cap.limited_by}",
@@ -196,6 +220,7 @@ def format_plan(plan: Plan) -> str:
             f"compare {alt.name}: {alt.capacity.max_concurrency:.2f} requests "
             f"({alt.capacity.tokens} tokens), {alt.num_blocks} blocks, padding "
             f"{format_bytes(alt.padding_bytes)} ({_percent(alt.padding_bytes, plan.budget_bytes)})"
+            + (f"; {_typical_text(alt.capacity.typical)}" if alt.capacity.typical else "")
             + (f"; {'; '.join(alt.notes)}" if alt.notes else "")
         )
     return "\n".join(lines)

@@ -14,22 +14,36 @@ the ratio b_g (so every token group holds the same number M of worst-case reques
 num_blocks_g = s_g + ceil(c * b_g), c the largest ratio <= M whose whole blocks fit.
 Concurrency at max_model_len is min(slots, c). Slots are ``floor(N)``, or ``floor(N) + 1``
 when that fits more (a spare slot is cheap next to a request's KV and lets a last, shorter
-request run). All arithmetic is exact (integers and fractions).
+request run). A sliding-window or chunked group also keeps ``reserved`` pages no request
+holds (the block manager's null block): they are budgeted like the step's blocks and
+counted in num_blocks. All arithmetic is exact (integers and fractions).
+
+With a typical request length (:func:`solve_typical`) the same arithmetic runs with b_g
+and s_g at that length, for the most requests x of it at once, while every token group
+keeps at least the blocks one request of max_model_len needs alone (its floor).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 from pagedkv.errors import DoesNotFitError
 from pagedkv.plan.sizes import format_bytes
 from pagedkv.plan.stages import Stage
-from pagedkv.spec import bytes_per_request, bytes_per_token
+from pagedkv.spec import Retention, bytes_per_request, bytes_per_token
 
 ALIGNMENT = 256  # byte alignment of every tensor view inside a pool
+NULL_BLOCK_KINDS = ("sliding_window", "chunked_local")
+
+
+def reserved_blocks(retention: Retention) -> int:
+    """Pages of a group's pool that no request ever holds: one null block for a
+    sliding-window or chunked group (block tables hold it for positions the window
+    dropped), none otherwise. The planner and the block manager both follow this."""
+    return 1 if retention.kind in NULL_BLOCK_KINDS else 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,7 @@ class GroupDemand:
     recurrent: bool
     blocks_per_request: int  # b_g (1 state slot for recurrent groups)
     step_blocks: int  # s_g, once per step
+    reserved: int = 0  # pages no request holds (the null block)
 
 
 @dataclass(frozen=True)
@@ -87,17 +102,19 @@ def stage_bytes(stage: Stage, demands: Sequence[GroupDemand], block_size: int) -
 class _StageTotals:
     stage: int
     pages: dict[int, int]  # token group -> bytes of one block on this rank
-    avail: int  # budget - alignment reserve - step bytes (C)
+    room: int  # budget - alignment reserve - reserved (null) pages
+    avail: int  # room - step bytes (C)
     kv: int  # D: token bytes of one request at max_model_len
     state: int  # S: state bytes of one request
     step: int  # C
     reserve: int  # alignment
+    null: int  # bytes of the reserved pages
 
 
 def _totals(
     sb: StageBytes, demands: Sequence[GroupDemand], block_size: int, budget: int
 ) -> _StageTotals:
-    kv = state = step = 0
+    kv = state = step = null = 0
     pages: dict[int, int] = {}
     for group, unit in sb.unit.items():
         demand = demands[group]
@@ -107,9 +124,9 @@ def _totals(
         page = pages[group] = unit * block_size
         kv += demand.blocks_per_request * page
         step += demand.step_blocks * page
-    return _StageTotals(
-        sb.stage, pages, budget - sb.reserve - step, kv, state, step, sb.reserve
-    )
+        null += demand.reserved * page
+    room = budget - sb.reserve - null
+    return _StageTotals(sb.stage, pages, room, room - step, kv, state, step, sb.reserve, null)
 
 
 def solve(
@@ -161,7 +178,8 @@ def _size(
         g: _ceil(ratio * d.blocks_per_request) for g, d in enumerate(demands) if not d.recurrent
     }
     num_blocks = tuple(
-        slots if d.recurrent else d.step_blocks + held[g] for g, d in enumerate(demands)
+        slots if d.recurrent else d.reserved + d.step_blocks + held[g]
+        for g, d in enumerate(demands)
     )
     concurrency = min(ratio, Fraction(slots)) if has_state else ratio
     return Sizing(num_blocks, slots, concurrency, ratio, binding)
@@ -192,15 +210,102 @@ def _best_ratio(
         )
 
     best = min(Fraction(math.floor(m * b), b) for b in blocks.values())
-    for b in blocks.values():
-        lo, hi = math.floor(best * b) + 1, math.floor(m * b)
-        while lo <= hi:
-            mid = (lo + hi) // 2
+    return _largest_on_grids(best, m, blocks.values(), fits)
+
+
+def _largest_on_grids(
+    lo: Fraction, hi: Fraction, grids: Iterable[int], fits: Callable[[Fraction], bool]
+) -> Fraction:
+    """Largest x in [lo, hi] on some grid k / b (b in ``grids``) with ``fits(x)``.
+
+    ``fits`` must hold at ``lo`` and be monotone (true up to some point, then false):
+    a bisection per grid, each starting above the best found so far.
+    """
+    best = lo
+    for b in grids:
+        low, high = math.floor(best * b) + 1, math.floor(hi * b)
+        while low <= high:
+            mid = (low + high) // 2
             if fits(Fraction(mid, b)):
-                best, lo = Fraction(mid, b), mid + 1
+                best, low = Fraction(mid, b), mid + 1
             else:
-                hi = mid - 1
+                high = mid - 1
     return best
+
+
+def solve_typical(
+    stages: Sequence[StageBytes],
+    demands: Sequence[GroupDemand],
+    floors: Sequence[int],
+    block_size: int,
+    budget: int,
+) -> Sizing:
+    """Block counts for the most requests x of the typical length at once.
+
+    ``demands`` are at the typical length; ``floors[g]`` is the least a token group may
+    hold besides its reserved pages (b_g + s_g of one request of max_model_len: the caller
+    has checked with :func:`solve` that one fits). Token group g holds
+    max(s_g + ceil(x * b_g), floor_g) blocks, a recurrent group ceil(x) slots (at least 1).
+    That cost only grows with x and is flat between grid points k / b_g (and integers for
+    slots), so the best x is found exactly on those grids; x >= 1 always fits (a request
+    of typical length needs no more than one of max_model_len). With the slots fixed, the
+    bytes left go to the token groups as in :func:`solve`.
+    """
+    totals = [_totals(sb, demands, block_size, budget) for sb in stages]
+    loaded = [t for t in totals if t.kv + t.state > 0]
+    has_state = any(d.recurrent for d in demands)
+    grid = sorted({d.blocks_per_request for d in demands if not d.recurrent})
+
+    def token_bytes(t: _StageTotals, c: Fraction) -> int:
+        return sum(
+            max(demands[g].step_blocks + _ceil(c * demands[g].blocks_per_request), floors[g])
+            * page
+            for g, page in t.pages.items()
+        )
+
+    def slots_for(x: Fraction) -> int:
+        return max(_ceil(x), 1) if has_state else 0
+
+    def fits(x: Fraction) -> bool:
+        k = slots_for(x)
+        return all(token_bytes(t, x) + k * t.state <= t.room for t in loaded)
+
+    hi = min(Fraction(t.avail, t.kv + t.state) for t in loaded)  # no ceilings, no floors
+    x = _largest_on_grids(Fraction(1), hi, grid + ([1] if has_state else []), fits)
+    slots = slots_for(x)
+    c: Fraction | None = None
+    if grid:
+        token_stages = [t for t in loaded if t.kv > 0]
+        c_hi = min(Fraction(t.avail - slots * t.state, t.kv) for t in token_stages)
+        c = _largest_on_grids(
+            x,
+            c_hi,
+            grid,
+            lambda r: all(token_bytes(t, r) + slots * t.state <= t.room for t in loaded),
+        )
+    num_blocks = tuple(
+        slots
+        if d.recurrent
+        else d.reserved + max(d.step_blocks + _ceil(c * d.blocks_per_request), floors[g])
+        for g, d in enumerate(demands)
+    )
+    if c is None:
+        concurrency = Fraction(slots)
+    else:
+        concurrency = min(c, Fraction(slots)) if has_state else c
+    used = {t.stage: token_bytes(t, c) if c is not None else 0 for t in loaded}
+    binding = min((t.room - used[t.stage] - slots * t.state, t.stage) for t in loaded)[1]
+    return Sizing(num_blocks, slots, concurrency, c, binding)
+
+
+def held_requests(num_blocks: Sequence[int], demands: Sequence[GroupDemand]) -> Fraction:
+    """Requests of the length ``demands`` describe that pools of ``num_blocks`` hold at once:
+    min over token groups of (blocks - reserved - s_g) / b_g, and the state slots."""
+    return min(
+        Fraction(n) if d.recurrent
+        else Fraction(n - d.reserved - d.step_blocks, d.blocks_per_request)
+        for n, d in zip(num_blocks, demands)
+    )
 
 
 def _too_small(t: _StageTotals, budget: int, max_model_len: int, many: bool) -> str:
@@ -208,10 +313,11 @@ def _too_small(t: _StageTotals, budget: int, max_model_len: int, many: bool) -> 
     parts = [f"{format_bytes(t.kv)} of KV"]
     if t.state:
         parts.append(f"{format_bytes(t.state)} of recurrent state")
-    need = t.kv + t.state + t.step + t.reserve
+    need = t.kv + t.state + t.step + t.null + t.reserve
+    null = f", {format_bytes(t.null)} for null blocks" if t.null else ""
     return (
         f"a budget of {budget} bytes ({format_bytes(budget)}) per rank cannot hold one request "
         f"of {max_model_len} tokens{where}: it needs {need} bytes ({format_bytes(need)}): "
-        f"{' + '.join(parts)}, {format_bytes(t.step)} for the step's tokens and "
+        f"{' + '.join(parts)}, {format_bytes(t.step)} for the step's tokens{null} and "
         f"{t.reserve} bytes of alignment; lower --max-model-len or add memory"
     )

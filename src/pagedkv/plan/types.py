@@ -16,7 +16,9 @@ class PlanOptions:
 
     ``budget_bytes`` is per rank (every rank has the same budget). ``block_size`` None picks
     64 when any layer is MLA (FlashMLA's page) and 16 otherwise. ``max_batched_tokens`` is
-    the step's token budget, shared by the whole batch.
+    the step's token budget, shared by the whole batch. ``typical_len`` None sizes the pools
+    for requests of ``max_model_len``; a length sizes them for the most requests of that
+    many tokens at once, keeping room for one request of ``max_model_len``.
     """
 
     budget_bytes: int
@@ -26,6 +28,7 @@ class PlanOptions:
     tp: int = 1
     pp: int = 1
     strategy: str = "auto"  # "auto" picks the best for the workload; or a strategy name
+    typical_len: int | None = None  # tokens of a typical request; None: max_model_len
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class Group:
 
     Bytes are per rank, for the rank that holds the most of this group's bytes. For a
     recurrent group a "block" is one state slot (one request's state in every layer).
+    ``num_blocks`` counts every page of the group's pool, including ``reserved_blocks``
+    pages no request ever holds (the null block of a sliding-window or chunked group: the
+    placeholder for positions the window dropped); ``usable_blocks`` is what requests get.
     """
 
     id: int
@@ -47,6 +53,12 @@ class Group:
     num_blocks: int
     blocks_per_request: int  # worst case for one request at max_model_len (recurrent: 1 slot)
     step_blocks: int  # blocks the step's new tokens add once per step (windowed groups)
+    reserved_blocks: int = 0  # pages of num_blocks never handed out (the null block)
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks (or slots) requests can hold: ``num_blocks - reserved_blocks``."""
+        return self.num_blocks - self.reserved_blocks
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -83,13 +95,15 @@ class TensorView:
 
 @dataclass(frozen=True)
 class Pool:
-    """One contiguous allocation on one rank, serving the named groups."""
+    """One contiguous allocation on one rank, serving the named groups. ``num_pages``
+    includes ``reserved_pages`` (the null block), which no request ever holds."""
 
     id: int
     group_ids: tuple[int, ...]
     nbytes: int
     num_pages: int
     page_bytes: int
+    reserved_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,14 +119,25 @@ class RankPlan:
 
 
 @dataclass(frozen=True)
+class TypicalCapacity:
+    """What fits of requests of ``PlanOptions.typical_len`` tokens (``len``)."""
+
+    len: int
+    max_concurrency: float
+    tokens: int  # floor(max_concurrency x len)
+
+
+@dataclass(frozen=True)
 class Capacity:
     """What fits. ``max_concurrency`` counts requests of ``max_model_len`` tokens at once
-    (a float, as engines report it); ``tokens`` = max_concurrency x max_model_len."""
+    (a float, as engines report it); ``tokens`` = max_concurrency x max_model_len.
+    ``typical``: the same for requests of ``typical_len`` (None without one)."""
 
     max_model_len: int
     max_concurrency: float
     tokens: int
     limited_by: str  # one sentence on what limits it
+    typical: TypicalCapacity | None = None
 
 
 @dataclass(frozen=True)

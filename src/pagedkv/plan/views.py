@@ -3,7 +3,8 @@
 Each group present on a rank gets one pool (pool id = group id). Inside it, layer after
 layer (input order), one tensor per TensorSpec of the layer's sharded layout:
 ``(num_blocks, block_size, *token_shape)`` for token layouts, ``(num_slots, *state_shape)``
-for recurrent state, each at a 256-byte-aligned offset. Views never overlap.
+for recurrent state, each at a 256-byte-aligned offset. Views never overlap. A group's
+reserved pages (its null block) are page 0 of its tensors, counted in ``num_pages``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def stage_pools(
     stage: Stage,
     sb: StageBytes,
     recurrent: Sequence[bool],
+    reserved: Sequence[int],
     num_blocks: Sequence[int],
     block_size: int,
 ) -> tuple[tuple[Pool, ...], tuple[TensorView, ...]]:
@@ -57,6 +59,6 @@ def stage_pools(
                 offset += nbytes
         unit = sb.unit[group]
         page = unit if recurrent[group] else unit * block_size
-        pools.append(Pool(group, (group,), offset, count, page))
+        pools.append(Pool(group, (group,), offset, count, page, reserved[group]))
     return tuple(pools), tuple(views)
 
