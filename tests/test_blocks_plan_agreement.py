@@ -48,18 +48,23 @@ def _run_one_request(plan, length: int) -> None:
 
 
 def _check_agreement(plan) -> None:
+    """Per pool: the manager's usable blocks are the plan's; a pool keeps one null block
+    when any of its groups is windowed; every group of a pool reports the pool's pages."""
     mgr = KVCacheManager.from_plan(plan, checked=False)
     usable = _usable(mgr)
-    for g in plan.groups:
-        expected_reserved = 1 if g.retention.kind in WINDOWED else 0
-        assert g.reserved_blocks == expected_reserved
-        assert usable[g.id] == g.num_blocks - expected_reserved == g.usable_blocks
-        if not g.is_recurrent:  # the plan's worst case for one request fits its own pool
-            assert g.usable_blocks >= g.blocks_per_request + g.step_blocks
+    groups = {g.id: g for g in plan.groups}
     for pool in plan.ranks[0].pools:
-        (gid,) = pool.group_ids
-        assert pool.num_pages == plan.groups[gid].num_blocks
-        assert pool.reserved_pages == plan.groups[gid].reserved_blocks
+        members = [groups[gid] for gid in pool.group_ids]
+        expected_reserved = int(any(g.retention.kind in WINDOWED for g in members))
+        assert pool.reserved_pages == expected_reserved
+        for g in members:
+            assert g.pool in (None, pool.id)
+            assert g.reserved_blocks == expected_reserved
+            assert pool.num_pages == g.num_blocks
+            assert usable[g.id] == g.num_blocks - expected_reserved == g.usable_blocks
+        if not members[0].is_recurrent:  # the plan's worst case for one request fits
+            need = sum(g.blocks_per_request + g.step_blocks for g in members)
+            assert pool.num_pages - pool.reserved_pages >= need
 
 
 @pytest.mark.parametrize("typical_len", [None, 1024])
@@ -108,3 +113,54 @@ def test_from_plan_refuses_pools_that_do_not_reserve_the_null_block(layers):
     old = dataclasses.replace(plan, ranks=(dataclasses.replace(rank, pools=stale),))
     with pytest.raises(InvalidArgumentError, match="reserves 0 pages"):
         KVCacheManager.from_plan(old)
+
+
+def _admit_4096(mgr: KVCacheManager) -> int:
+    """Requests of 4096 tokens (4095 prompt + 1 decoded) admitted one after the other and
+    kept: each prefills in chunks of 2048 and decodes one token; the count that ran before
+    an allocation was refused."""
+    n = 0
+    while True:
+        mgr.add_request(n, list(range(1, 4096)), max_new_tokens=1)
+        done = 0
+        while done < 4095:
+            c = min(2048, 4095 - done)
+            if not mgr.allocate(n, c):
+                return n
+            done += c
+            mgr.commit(n, c, [7] if done == 4095 else [])
+        assert mgr.allocate(n, 1)
+        mgr.commit(n, 1, [8])
+        n += 1
+
+
+def test_shared_pool_admits_far_more_short_requests_than_separate_pools():
+    import dataclasses
+
+    layers = load_model("gpt-oss-20b").layers
+    page = 16 * 24 // 2 * 2 * 8 * 64 * 2  # 12 layers x K and V x 8 heads x 64 x bf16
+    pages = 3000
+    plan = make_plan(layers, PlanOptions(pages * page, 16384))
+    window, full = plan.groups
+    assert window.retention.kind == "sliding_window" and full.retention.kind == "full"
+    assert window.pool == full.pool and window.num_blocks == full.num_blocks == pages
+    # the old separate pools at 16384 tokens: window b = 9, step 128, null 1; full b = 1024;
+    # room = 3000 - 129 = 2871 pages; full k with ceil(9k / 1024) + k <= 2871: k = 2845
+    room = pages - 1 - 128
+    k = room
+    while -(-9 * k // 1024) + k > room:
+        k -= 1
+    assert k == 2845 and -(-9 * k // 1024) == 26
+    old_groups = [dataclasses.replace(window, num_blocks=1 + 128 + 26, pool=None),
+                  dataclasses.replace(full, num_blocks=k, reserved_blocks=0, pool=None)]
+    old = KVCacheManager(old_groups, max_model_len=16384, checked=True)
+    new = KVCacheManager.from_plan(plan, checked=True)
+    # a request that ran holds its 256 full blocks and, until its next block boundary
+    # (window frees run there), the window blocks of its last chunk: 2047 tokens at
+    # 2048..4094 = blocks 128..255, plus the 8 blocks 120..127 of the 127 keys before:
+    # 136. The separate window pool (154 usable) holds one such request, the shared pool
+    # (2999 usable) floor(2999 / (256 + 136)) = 7.
+    per_request = 256 + 8 + 128
+    assert old.pools[0].usable == 154 and 154 // (8 + 128) == 1
+    assert _admit_4096(old) == 1
+    assert _admit_4096(new) == (pages - 1) // per_request == 7

@@ -42,8 +42,11 @@ def _manager(kind):
         "real-kimi-dspark": ("kimi-k3", "kimi-k3-dspark", 3 << 30),
         "real-deepseek-mtp": ("deepseek-v3", "mtp", 200 << 20),
     }[kind]
-    return KVCacheManager.from_plan(_real_plan(model, draft, budget),
-                                    recurrent_checkpoint_every=1, **kw)
+    plan = _real_plan(model, draft, budget)
+    if kind == "real-gpt-oss":  # window and full layers pair up: one shared pool
+        (pool,) = plan.ranks[0].pools
+        assert pool.group_ids == (0, 1) and pool.reserved_pages == 1
+    return KVCacheManager.from_plan(plan, recurrent_checkpoint_every=1, **kw)
 
 
 class BlockMachine(RuleBasedStateMachine):

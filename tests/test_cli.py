@@ -78,7 +78,7 @@ def test_plan_human_output_names_groups_and_limit(capsys):
 
 
 def test_plan_typical_len_reports_both_capacities(capsys):
-    doc = plan_json(capsys, "gpt-oss-20b", "--memory", "40GiB", "--max-model-len", "16384",
+    doc = plan_json(capsys, "gemma-3-27b", "--memory", "40GiB", "--max-model-len", "16384",
                     "--typical-len", "2048")
     cap = doc["capacity"]
     assert set(cap) == {"max_model_len", "max_concurrency", "tokens", "limited_by", "typical"}
@@ -98,18 +98,18 @@ def test_plan_typical_len_reports_both_capacities(capsys):
     assert window["reserved_blocks"] == 1 and full["reserved_blocks"] == 0
     pools = {p["id"]: p for p in doc["pools"]}
     assert pools[0]["reserved_pages"] == 1 and pools[0]["num_pages"] == window["num_blocks"]
-    without = plan_json(capsys, "gpt-oss-20b", "--memory", "40GiB", "--max-model-len", "16384")
+    without = plan_json(capsys, "gemma-3-27b", "--memory", "40GiB", "--max-model-len", "16384")
     assert without["capacity"]["typical"] is None
     assert [a["name"] for a in without["alternatives"]] == ["vllm"]
     assert without["capacity"]["max_concurrency"] == longest["capacity"]["max_concurrency"]
-    code, out, _ = run_cli(capsys, "plan", "gpt-oss-20b", "--memory", "40GiB",
+    code, out, _ = run_cli(capsys, "plan", "gemma-3-27b", "--memory", "40GiB",
                            "--max-model-len", "16384", "--typical-len", "2048")
     assert code == 0 and "typical: " in out and "compare pagedkv-max-len" in out
 
 
 def test_simulate_typical_len_runs_more_requests_at_once(capsys):
     def sim(*extra):
-        code, out, err = run_cli(capsys, "simulate", "gpt-oss-20b", "--memory", "40GiB",
+        code, out, err = run_cli(capsys, "simulate", "gemma-3-27b", "--memory", "40GiB",
                                  "--max-model-len", "16384", "--workload", "shared-prefix",
                                  "--requests", "150", *extra, "--json")
         assert code == 0, err

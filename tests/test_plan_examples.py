@@ -61,17 +61,21 @@ def test_gpt_oss_window_counts_window_per_request_and_step_once():
     assert sliding.blocks_per_request == math.ceil(127 / 16) + 1 == 9
     assert sliding.step_blocks == 2048 // 16 == 128  # once per step for the whole batch
     assert full.blocks_per_request == 131072 // 16 and full.step_blocks == 0
-    # both groups have a 16 x 36864-byte page: 40 GiB holds 72817 pages, 128 go to the
-    # step and 1 to the window's null block; c requests need ceil(9c) + ceil(8192c)
-    # pages <= 72688. c = k/8192: k = 72608 -> 80 + 72608 = 72688 fits, k = 72609 does
-    # not; c = j/9 is worse.
+    # both groups have 18 layers of a 16 x 36864-byte page: they share one pool. 40 GiB
+    # holds 72817 pages, 128 go to the step and 1 to the window's null block; a request
+    # holds 9 + 8192 of the other 72688 pages
     page = 16 * 18 * 2 * 8 * 64 * 2
     assert 40 * GiB // page - 128 - 1 == 72688
-    assert full.num_blocks == 72608 and full.reserved_blocks == 0
-    assert sliding.num_blocks == 1 + 128 + 80 and sliding.reserved_blocks == 1
-    assert math.ceil(9 * 72608 / 8192) == 80
-    assert plan.capacity.max_concurrency == pytest.approx(72608 / 8192)
-    assert plan.capacity.tokens == 72608 * 16
+    assert full.num_blocks == sliding.num_blocks == 40 * GiB // page
+    assert full.pool == sliding.pool == 0
+    assert full.reserved_blocks == sliding.reserved_blocks == 1
+    assert plan.capacity.max_concurrency == pytest.approx(72688 / 8201)
+    assert plan.capacity.tokens == 72688 * 131072 // 8201
+    # separate pools (c = k/8192, ceil(9c) + ceil(8192c) <= 72688) held k = 72608: 80 +
+    # 72608 = 72688 fits, k = 72609 does not; the shared pool holds as much, up to ceilings
+    assert math.ceil(9 * 72608 / 8192) + 72608 == 72688
+    assert math.ceil(9 * 72609 / 8192) + 72609 > 72688
+    assert 0 <= 72688 / 8201 - 72608 / 8192 < 1 / 8192
     # vLLM charges each request cdiv(127 + 2 x 2048, 16) + 1 = 265 window blocks
     vllm = _vllm(plan)
     assert vllm.num_blocks == 40 * GiB // page

@@ -30,6 +30,10 @@ def _plan(layers, options):
         assume(False)
 
 
+def _pool_of(group):
+    return group.id if group.pool is None else group.pool
+
+
 def check_invariants(plan, layers, options):
     """Everything a valid plan must satisfy; used by several properties."""
     bs = plan.groups[0].block_size
@@ -66,18 +70,39 @@ def check_invariants(plan, layers, options):
         pools = {p.id: p for p in rank.pools}
         assert sum(p.nbytes for p in rank.pools) == rank.used_bytes <= plan.budget_bytes
         spans: dict[int, list[tuple[int, int]]] = {}
+        aliases = []
         for v in rank.views:
             assert v.offset % 256 == 0 and v.offset >= 0
             assert v.offset + v.nbytes <= pools[v.pool].nbytes
-            spans.setdefault(v.pool, []).append((v.offset, v.offset + v.nbytes))
-            g = groups[v.pool]
-            assert v.layer in g.layer_names
+            g = groups[group_of[v.layer]]
+            assert g.id in pools[v.pool].group_ids and _pool_of(g) == v.pool
+            assert g.num_blocks == pools[v.pool].num_pages
             lead = (g.num_blocks,) if g.is_recurrent else (g.num_blocks, bs)
             assert v.shape[: len(lead)] == lead
+            if g.id == v.pool:  # the pool's first group owns its spans
+                spans.setdefault(v.pool, []).append((v.offset, v.offset + v.nbytes))
+            else:
+                aliases.append(v)
         for ranges in spans.values():
             ranges.sort()
             for (_, end), (start, _) in zip(ranges, ranges[1:]):
                 assert end <= start
+        # views never overlap except declared aliases: a layer of another group of a shared
+        # pool takes exactly the span, shape and dtype of a layer of the pool's first group,
+        # and each such span once per group
+        owned = {(v.pool, v.offset): v for v in rank.views if group_of[v.layer] == v.pool}
+        taken: set[tuple[int, int, int]] = set()
+        for v in aliases:
+            owner = owned[(v.pool, v.offset)]
+            assert (owner.shape, owner.dtype) == (v.shape, v.dtype)
+            key = (group_of[v.layer], v.pool, v.offset)
+            assert key not in taken
+            taken.add(key)
+        for p in rank.pools:
+            members = [groups[gid] for gid in p.group_ids]
+            if len(members) > 1:  # sharing: token groups whose layers pair up
+                assert not any(m.is_recurrent for m in members)
+                assert len({len(m.layers) for m in members}) == 1
         # each layer's views hold exactly its (sharded) bytes for its group's blocks
         per_layer: dict[str, int] = {}
         for v in rank.views:
@@ -95,13 +120,24 @@ def check_invariants(plan, layers, options):
     assert cap.max_concurrency >= 1
     exact = cap.max_concurrency * options.max_model_len  # tokens = floor(exact), float-safe
     assert cap.tokens <= exact * (1 + 1e-12) and cap.tokens + 1 > exact * (1 - 1e-12)
+    by_pool: dict[int, list] = {}
     for g in plan.groups:
+        by_pool.setdefault(_pool_of(g), []).append(g)
+    for members in by_pool.values():
+        g = members[0]
         if g.is_recurrent:
             assert g.num_blocks >= cap.max_concurrency
-        else:
-            assert g.reserved_blocks == (g.retention.kind in ("sliding_window", "chunked_local"))
-            held = (g.num_blocks - g.reserved_blocks - g.step_blocks) / g.blocks_per_request
-            assert held >= cap.max_concurrency * (1 - 1e-12)
+            continue
+        # one null block per pool serving a windowed group; requests of the pool's groups
+        # hold sum b_g pages each, the step sum s_g once
+        windowed = any(m.retention.kind in ("sliding_window", "chunked_local") for m in members)
+        assert all(m.reserved_blocks == windowed for m in members)
+        assert len({m.num_blocks for m in members}) == 1
+        step = sum(m.step_blocks for m in members)
+        held = (g.num_blocks - g.reserved_blocks - step) / sum(
+            m.blocks_per_request for m in members
+        )
+        assert held >= cap.max_concurrency * (1 - 1e-12)
     assert 0 <= plan.padding_bytes <= plan.budget_bytes
     assert [a.name for a in plan.alternatives] == ["vllm"]
 

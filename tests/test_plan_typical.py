@@ -44,52 +44,64 @@ def _alt(plan, name):
     return alt
 
 
-def test_gpt_oss_like_typical_2048_of_131072_by_hand():
-    plan = make_plan(gpt_oss_like(), PlanOptions(40 * GiB, 131072, typical_len=2048))
+def _separate_full_blocks(room: int, b_window: int, b_full: int) -> int:
+    """The largest k (full blocks, c = k / b_full) whose separate pools fit ``room`` pages:
+    ceil(c b_window) + k <= room; the old one-pool-per-group arithmetic, by brute force."""
+    k = room
+    while -(-b_window * k // b_full) + k > room:
+        k -= 1
+    return k
+
+
+@pytest.mark.parametrize("typical_len", [None, 2048, 4096])
+def test_gpt_oss_like_shares_one_pool_by_hand(typical_len):
+    plan = make_plan(gpt_oss_like(), PlanOptions(40 * GiB, 131072, typical_len=typical_len))
     window, full = plan.groups
-    # both groups: 12 layers x 2 x 8 x 64 x 2 B = 24576 B/token, pages of 16 tokens
+    # both groups: 12 layers x 2 x 8 x 64 x 2 B = 24576 B/token, pages of 16 tokens: the
+    # layers pair up (same count, same shapes), so one pool serves both groups
     page = 16 * 24576
     pages = 40 * GiB // page
-    assert pages == 109226 and 40 * GiB % page == 40 * GiB - pages * page
-    # at 2048 tokens: window b = cdiv(127, 16) + 1 = 9 blocks, step 2048 / 16 = 128 once,
-    # 1 null block; full b = 128, no step. Floors (one request of 131072 alone): window
-    # 9 + 128 = 137, full 8192. x requests: 1 + max(128 + ceil(9x), 137)
-    # + max(ceil(128x), 8192) <= 109226; above the floors ceil(9x) + ceil(128x) <= 109097.
+    assert pages == 109226
+    (pool,) = plan.ranks[0].pools
+    assert pool.group_ids == (0, 1) and window.pool == full.pool == pool.id == 0
+    assert pool.num_pages == window.num_blocks == full.num_blocks == pages
+    assert pool.reserved_pages == window.reserved_blocks == full.reserved_blocks == 1
+    assert pool.nbytes == plan.ranks[0].used_bytes == pages * page
+    # one null block, the window's 2048 / 16 = 128 step blocks once; every other page holds
+    # requests: 9 window + 8192 full pages per request of 131072 tokens
     room = pages - 1 - 128
     assert room == 109097
-    # on the grid x = k/128: k = 101930 -> ceil(9k/128) = 7167, 7167 + 101930 = 109097 fits;
-    # k = 101931 needs 7168 + 101931 > 109097
-    assert math.ceil(9 * 101930 / 128) + 101930 == room
-    assert math.ceil(9 * 101931 / 128) + 101931 > room
-    # on the grid x = j/9 the best is lower: j = 7167 needs 7167 + 101931 > room
-    assert 7167 + math.ceil(128 * 7167 / 9) > room
-    assert 7166 + math.ceil(128 * 7166 / 9) <= room and Fraction(7166, 9) < Fraction(101930, 128)
-    assert full.num_blocks == 101930 and full.reserved_blocks == 0
-    assert window.num_blocks == 1 + 128 + 7167 and window.reserved_blocks == 1
-    assert plan.capacity.typical.len == 2048
-    assert plan.capacity.typical.max_concurrency == pytest.approx(101930 / 128)  # 796.33
-    assert plan.capacity.typical.tokens == 101930 * 16
-    # at 131072: full holds 101930 / 8192 = 12.44 requests, window (7296 - 1 - 128) / 9 more
-    assert plan.capacity.max_model_len == 131072
-    assert plan.capacity.max_concurrency == pytest.approx(101930 / 8192)
-    assert plan.capacity.tokens == 101930 * 16
-    assert plan.ranks[0].used_bytes == (7296 + 101930) * page <= 40 * GiB
-    # the plan for 131072 (as without typical_len): window b = 9, step 128, null 1; full
-    # 8192: ceil(9k/8192) + k <= 109097 -> k = 108977 (120 + 108977); k = 108978 does not fit
-    assert math.ceil(9 * 108977 / 8192) + 108977 == room
-    assert math.ceil(9 * 108978 / 8192) + 108978 > room
+    assert plan.capacity.max_concurrency == pytest.approx(room / (9 + 8192))  # 13.30
+    assert plan.capacity.tokens == math.floor(Fraction(room, 9 + 8192) * 131072)
+    # the separate pools gave the full group k of those pages, the window ceil(9k / 8192):
+    # the same pages, so the same capacity up to the ceiling (one full block at most)
+    k = _separate_full_blocks(room, 9, 8192)
+    assert k == 108977 and math.ceil(9 * k / 8192) == 120
+    assert 0 <= Fraction(room, 8201) - Fraction(k, 8192) < Fraction(1, 8192)
+    assert plan.capacity.tokens - k * 16 < 16
+    # requests of 4096 tokens: 9 window + 256 full pages each (the step still counts once);
+    # the separate window pool held (120 / 9) = 13.3 of them, the shared pool room / 265
+    shared_4k = Fraction(room, 9 + 256)
+    assert shared_4k > 411 and Fraction(120, 9) < Fraction(14)
+    assert shared_4k >= 30 * Fraction(120, 9)
+    # layer j of the window group aliases layer j of the full group: same offset and shape
+    views = {(v.layer, v.tensor): v for v in plan.ranks[0].views}
+    for j in range(12):
+        for t in ("k", "v"):
+            w, f = views[(f"l.{2 * j}", t)], views[(f"model.layers.{2 * j + 1}.self_attn", t)]
+            assert (w.offset, w.shape, w.pool) == (f.offset, f.shape, f.pool)
+            assert w.shape == (pages, 16, 8, 64)
+    if typical_len is None:
+        assert plan.capacity.typical is None
+        return
+    # sized for typical requests the pool is the same: every page is in it already
+    b_t = 9 + cdiv(typical_len, 16)
+    assert plan.capacity.typical.max_concurrency == pytest.approx(room / b_t)
+    assert plan.capacity.typical.tokens == math.floor(Fraction(room, b_t) * typical_len)
     longest = _alt(plan, "pagedkv-max-len")
-    assert longest.num_blocks == (1 + 128 + 120) + 108977
-    assert longest.capacity.max_concurrency == pytest.approx(108977 / 8192)  # 13.30
-    # ... whose window pool holds only 120 / 9 = 13.3 requests of 2048 tokens
-    assert longest.capacity.typical.max_concurrency == pytest.approx(120 / 9)
-    assert longest.capacity.typical.tokens == math.floor(Fraction(120, 9) * 2048)
-    without = make_plan(gpt_oss_like(), PlanOptions(40 * GiB, 131072))
-    assert longest.capacity.max_concurrency == without.capacity.max_concurrency
-    assert longest.num_blocks == without.num_blocks
-    assert longest.padding_bytes == without.padding_bytes
-    text = plan.capacity.limited_by
-    assert "12.44 requests of 131072 tokens" in text and "796.33 requests of 2048" in text
+    assert longest.num_blocks == pages
+    assert longest.capacity.max_concurrency == plan.capacity.max_concurrency
+    assert longest.capacity.typical.max_concurrency == plan.capacity.typical.max_concurrency
 
 
 def test_recurrent_slots_follow_the_typical_length():
@@ -138,17 +150,25 @@ def test_max_model_len_must_still_fit():
 
 
 def _held_at(plan, length):
-    """Requests of ``length`` tokens that a plan's pools hold at once, from its groups."""
+    """Requests of ``length`` tokens that a plan's pools hold at once, from its groups: a
+    pool shared by several groups gives each request sum b_g pages, the step sum s_g."""
     mbt = plan.options.max_batched_tokens
-    held = []
+    pools: dict[int, list] = {}
     for g in plan.groups:
-        if g.is_recurrent:
-            held.append(Fraction(g.num_blocks))
+        pools.setdefault(g.id if g.pool is None else g.pool, []).append(g)
+    held = []
+    for members in pools.values():
+        first = members[0]
+        if first.is_recurrent:
+            held.append(Fraction(first.num_blocks))
             continue
-        bs = g.block_size
-        b = blocks_per_request(g.retention, length, bs)
-        s = 0 if b >= cdiv(length, bs) else step_blocks(g.retention, mbt, bs)
-        held.append(Fraction(g.num_blocks - g.reserved_blocks - s, b))
+        b = s = 0
+        for g in members:
+            bs = g.block_size
+            bg = blocks_per_request(g.retention, length, bs)
+            b += bg
+            s += 0 if bg >= cdiv(length, bs) else step_blocks(g.retention, mbt, bs)
+        held.append(Fraction(first.num_blocks - first.reserved_blocks - s, b))
     return min(held)
 
 

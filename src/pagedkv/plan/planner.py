@@ -1,8 +1,8 @@
 """make_plan: layers (target + drafter) and a budget -> groups, pools, views, capacity.
 
 Steps, each in its own module: group layers by block table (grouping), place them on
-pipeline stages with tensor-parallel shards (stages), size each group's pool by the
-workload ratio (sizing), lay the tensors out in the pools (views), and model what vLLM's
+pipeline stages with tensor-parallel shards (stages), let groups whose layers pair up share
+one pool (sharing), size each pool by the workload ratio (sizing), lay the tensors out in the pools (views), and model what vLLM's
 planner would fit with the same budget (vllm_model). Linear in the number of layers.
 """
 
@@ -15,6 +15,7 @@ from fractions import Fraction
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.explain import describe_group, limit_sentence
 from pagedkv.plan.grouping import LayerGroup, default_block_size, group_layers
+from pagedkv.plan.sharing import PoolMap, pool_sets
 from pagedkv.plan.sizing import (
     GroupDemand,
     Sizing,
@@ -88,7 +89,10 @@ def make_plan(layers: Sequence[LayerSpec], options: PlanOptions) -> Plan:
     stages = split_stages(layers, group_of, options.tp, options.pp)
     demands = [_demand(g, block_size, options.max_model_len, options) for g in layer_groups]
     per_stage = [stage_bytes(stage, demands, block_size) for stage in stages]
-    sizing = solve(per_stage, demands, block_size, options.budget_bytes, options.max_model_len)
+    pools = PoolMap.of(pool_sets(stages, demands))
+    layout = _Layout(options, layer_groups, stages, per_stage, demands, block_size, pools)
+    pool_demands, per_pool = layout.pool_demands, layout.per_pool
+    sizing = solve(per_pool, pool_demands, block_size, options.budget_bytes, options.max_model_len)
     alternatives = [
         vllm_report(
             stages,
@@ -99,16 +103,17 @@ def make_plan(layers: Sequence[LayerSpec], options: PlanOptions) -> Plan:
             options.pp,
         ),
     ]
-    layout = _Layout(options, layer_groups, stages, per_stage, demands, block_size)
     if options.typical_len is None:
         built = sizing
         capacity = layout.capacity(sizing, sizing.concurrency, None)
     else:
-        typical = [_demand(g, block_size, options.typical_len, options) for g in layer_groups]
-        floors = [d.blocks_per_request + d.step_blocks for d in demands]
-        built = solve_typical(per_stage, typical, floors, block_size, options.budget_bytes)
+        typical = pools.demands(
+            [_demand(g, block_size, options.typical_len, options) for g in layer_groups]
+        )
+        floors = [d.blocks_per_request + d.step_blocks for d in pool_demands]
+        built = solve_typical(per_pool, typical, floors, block_size, options.budget_bytes)
         capacity = layout.capacity(
-            built, held_requests(built.num_blocks, demands), built.concurrency
+            built, held_requests(built.num_blocks, pool_demands), built.concurrency
         )
         longest = layout.capacity(
             sizing, sizing.concurrency, held_requests(sizing.num_blocks, typical)
@@ -143,7 +148,8 @@ def _demand(
 
 
 class _Layout:
-    """Turns a sizing into groups, rank pools and views, a capacity and a report."""
+    """Turns a sizing (pages per pool index) into groups, rank pools and views, a capacity
+    and a report."""
 
     def __init__(
         self,
@@ -153,17 +159,30 @@ class _Layout:
         per_stage: Sequence[StageBytes],
         demands: Sequence[GroupDemand],
         block_size: int,
+        pools: PoolMap,
     ) -> None:
         self.options = options
         self.layer_groups = layer_groups
         self.stages = stages
-        self.per_stage = per_stage
-        self.demands = demands
+        self.per_stage = per_stage  # per group
+        self.demands = demands  # per group
         self.block_size = block_size
+        self.pool_map = pools
+        self.pool_demands = pools.demands(demands)
+        if len(pools.sets) == len(demands):  # no pool shared: pool index = group index
+            self.per_pool = list(per_stage)
+        else:
+            self.per_pool = [stage_bytes(pools.lead_stage(s), self.pool_demands, block_size)
+                             for s in stages]
 
-    def groups(self, num_blocks: Sequence[int]) -> tuple[Group, ...]:
+    def groups(self, num_pages: Sequence[int]) -> tuple[Group, ...]:
+        """Groups; one in a shared pool reports the pool's pages and reserved pages."""
+        pm = self.pool_map
         return tuple(
-            _group(i, g, self.demands[i], self.block_size, num_blocks[i], self.per_stage)
+            _group(
+                i, g, self.demands[i], self.block_size, num_pages[pm.pool_of[i]],
+                self.per_stage, self.pool_demands[pm.pool_of[i]].reserved, pm.pool_id(i),
+            )
             for i, g in enumerate(self.layer_groups)
         )
 
@@ -172,9 +191,10 @@ class _Layout:
     ) -> tuple[tuple[Pool, ...], tuple[TensorView, ...]]:
         return stage_pools(
             stage,
-            self.per_stage[stage.index],
-            [d.recurrent for d in self.demands],
-            [d.reserved for d in self.demands],
+            self.pool_map,
+            self.per_pool[stage.index],
+            [d.recurrent for d in self.pool_demands],
+            [d.reserved for d in self.pool_demands],
             num_blocks,
             self.block_size,
         )
@@ -187,7 +207,7 @@ class _Layout:
         data_bytes: dict[int, int] = {}
         for stage in self.stages:
             pools, views = self.pools(stage, num_blocks)
-            data_bytes[stage.index] = sum(v.nbytes for v in views)
+            data_bytes[stage.index] = _data_bytes(stage, views)
             names = tuple(member.layer.name for member in stage.layers)
             used = sum(p.nbytes for p in pools)
             ranks.extend(
@@ -211,13 +231,17 @@ class _Layout:
             )
         token = [
             held_requests([n], [d])
-            for n, d in zip(sizing.num_blocks, self.demands)
+            for n, d in zip(sizing.num_blocks, self.pool_demands)
             if not d.recurrent
         ]
         slots_bind = sizing.slots > 0 and (not token or sizing.slots <= min(token))
+        share = {
+            g: Fraction(self.demands[g].blocks_per_request, self.pool_demands[p].blocks_per_request)
+            for p, groups in enumerate(self.pool_map.sets) if len(groups) > 1 for g in groups
+        }
         limited_by = _limited_by(
             opts, self.groups(sizing.num_blocks), self.stages, self.per_stage, sizing,
-            self.block_size, at_max_len, slots_bind, typical,
+            self.block_size, at_max_len, slots_bind, typical, share,
         )
         return Capacity(
             opts.max_model_len,
@@ -234,12 +258,18 @@ class _Layout:
         return StrategyReport(
             name=MAX_LEN_STRATEGY,
             num_blocks=sum(sizing.num_blocks),
-            padding_bytes=self.options.budget_bytes - sum(v.nbytes for v in views),
+            padding_bytes=self.options.budget_bytes - _data_bytes(stage, views),
             capacity=capacity,
             notes=("pools sized for requests of max_model_len (no typical_len)",),
             block_size=self.block_size,
             num_groups=len(self.layer_groups),
         )
+
+
+def _data_bytes(stage: Stage, views: Sequence[TensorView]) -> int:
+    """Bytes of a rank's views, each shared-pool alias counted once (its first group's)."""
+    group_of = {m.layer.name: m.group for m in stage.layers}
+    return sum(v.nbytes for v in views if group_of[v.layer] == v.pool)
 
 
 def _group(
@@ -249,6 +279,8 @@ def _group(
     block_size: int,
     num_blocks: int,
     per_stage: Sequence[StageBytes],
+    reserved: int,
+    pool: int,
 ) -> Group:
     unit = max(sb.unit.get(gid, 0) for sb in per_stage)  # the rank with the most bytes
     return Group(
@@ -263,7 +295,8 @@ def _group(
         num_blocks=num_blocks,
         blocks_per_request=demand.blocks_per_request,
         step_blocks=demand.step_blocks,
-        reserved_blocks=demand.reserved,
+        reserved_blocks=reserved,
+        pool=pool,
     )
 
 
@@ -277,7 +310,9 @@ def _limited_by(
     concurrency: Fraction,
     slots_bind: bool,
     typical: TypicalCapacity | None,
+    share: dict[int, Fraction],
 ) -> str:
+    """``share[g]``: the part of a shared pool group g's requests take (b_g / sum b)."""
     stage = stages[sizing.binding_stage]
     units = per_stage[sizing.binding_stage].unit
     layouts: dict[int, list] = {}
@@ -286,7 +321,8 @@ def _limited_by(
 
     def held(g: Group) -> int:
         unit = units[g.id]
-        return g.num_blocks * (unit if g.is_recurrent else unit * block_size)
+        held = g.num_blocks * (unit if g.is_recurrent else unit * block_size)
+        return held * share.get(g.id, 1)
 
     largest = max((g for g in groups if g.id in units), key=held)
     state = [g for g in groups if g.is_recurrent and g.id in units]
@@ -303,6 +339,6 @@ def _limited_by(
         slots_bind=slots_bind and bool(state),
         state_text=state_text,
         largest=describe_group(largest, layouts[largest.id], units[largest.id]),
-        largest_share=held(largest) / options.budget_bytes,
+        largest_share=float(held(largest)) / options.budget_bytes,
         typical=typical,
     )

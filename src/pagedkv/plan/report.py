@@ -55,6 +55,7 @@ def _group(g: Group) -> dict[str, Any]:
         "blocks_per_request": g.blocks_per_request,
         "step_blocks": g.step_blocks,
         "reserved_blocks": g.reserved_blocks,
+        "pool": g.id if g.pool is None else g.pool,
     }
 
 
@@ -176,7 +177,10 @@ def _typical_line(cap: Capacity) -> list[str]:
 def format_plan(plan: Plan) -> str:
     """Human output: a row per group, capacity, padding, the limit, the comparison."""
     opts = plan.options
-    header = ("group", "retention", "layers", "models", "block", "B/token", "fixed B/req", "blocks")
+    header = (
+        "group", "retention", "layers", "models", "block", "B/token", "fixed B/req", "blocks",
+        "pool",
+    )
     rows = [header]
     for g in plan.groups:
         rows.append((
@@ -188,6 +192,7 @@ def format_plan(plan: Plan) -> str:
             str(g.bytes_per_token),
             str(g.bytes_per_request),
             f"{g.num_blocks} slots" if g.is_recurrent else str(g.num_blocks),
+            str(g.id if g.pool is None else g.pool),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     per_rank = " per rank" if len(plan.ranks) > 1 else ""

@@ -40,6 +40,8 @@ class Group:
     ``num_blocks`` counts every page of the group's pool, including ``reserved_blocks``
     pages no request ever holds (the null block of a sliding-window or chunked group: the
     placeholder for positions the window dropped); ``usable_blocks`` is what requests get.
+    Groups whose layers pair up exactly share one pool (``pool``); each of them then reports
+    the pool's pages and reserved pages as its ``num_blocks`` / ``reserved_blocks``.
     """
 
     id: int
@@ -54,6 +56,7 @@ class Group:
     blocks_per_request: int  # worst case for one request at max_model_len (recurrent: 1 slot)
     step_blocks: int  # blocks the step's new tokens add once per step (windowed groups)
     reserved_blocks: int = 0  # pages of num_blocks never handed out (the null block)
+    pool: int | None = None  # id of its pool on every rank; None: its own (= id)
 
     @property
     def usable_blocks(self) -> int:
@@ -166,5 +169,7 @@ class Plan:
 
     @property
     def num_blocks(self) -> int:
-        """Total blocks over every group (state slots for recurrent groups)."""
-        return sum(g.num_blocks for g in self.groups)
+        """Total blocks over every pool (state slots for recurrent groups); a pool shared
+        by several groups counts once."""
+        pools = {g.id if g.pool is None else g.pool: g.num_blocks for g in self.groups}
+        return sum(pools.values())
