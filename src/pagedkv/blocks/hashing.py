@@ -38,41 +38,43 @@ def _extend_fast(tokens: Sequence[int], start: int, stop: int, bs: int, parent: 
         append(h)
 
 
-def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent: int,
-                   out: list) -> None:
-    if stop <= start:
-        return
-    buf = array("q", tokens[start * bs:stop * bs]).tobytes()
-    step = bs * 8
-    h = parent
-    sha = hashlib.sha256
-    append = out.append
-    for off in range(0, len(buf), step):
-        digest = sha(h.to_bytes(32, "little") + buf[off:off + step]).digest()
-        h = int.from_bytes(digest, "little")
-        append(h)
+def _bytes_extender(width: int, digest: Callable[[bytes], int]) -> Extender:
+    """An extender over the int64 little-endian bytes of the tokens, each block's digest
+    taken over the ``width``-byte parent followed by the block's bytes."""
+
+    def extend(tokens: Sequence[int], start: int, stop: int, bs: int, parent: int,
+               out: list) -> None:
+        if stop <= start:
+            return
+        buf = array("q", tokens[start * bs:stop * bs]).tobytes()
+        step = bs * 8
+        h = parent
+        append = out.append
+        for off in range(0, len(buf), step):
+            h = digest(h.to_bytes(width, "little") + buf[off:off + step])
+            append(h)
+
+    return extend
 
 
-def _extend_xxh3(tokens: Sequence[int], start: int, stop: int, bs: int, parent: int,
-                 out: list) -> None:
-    import xxhash  # optional; checked in hash_extender
-
-    if stop <= start:
-        return
-    buf = array("q", tokens[start * bs:stop * bs]).tobytes()
-    step = bs * 8
-    h = parent
-    digest = xxhash.xxh3_128_intdigest
-    append = out.append
-    for off in range(0, len(buf), step):
-        h = digest(h.to_bytes(16, "little") + buf[off:off + step])
-        append(h)
+def _sha256_int(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest(), "little")
 
 
-_ALGOS: dict[str, Extender] = {
-    "fast": _extend_fast,
-    "sha256": _extend_sha256,
-    "xxh3_128": _extend_xxh3,
+def _xxh3_extender() -> Extender:
+    try:
+        import xxhash
+    except ImportError:
+        raise InvalidArgumentError(
+            "hash algorithm 'xxh3_128' needs the xxhash package; use 'fast' or 'sha256'"
+        ) from None
+    return _bytes_extender(16, xxhash.xxh3_128_intdigest)
+
+
+_ALGOS: dict[str, Callable[[], Extender]] = {
+    "fast": lambda: _extend_fast,
+    "sha256": lambda: _bytes_extender(32, _sha256_int),
+    "xxh3_128": _xxh3_extender,
 }
 HASH_ALGOS = tuple(_ALGOS)
 
@@ -81,14 +83,7 @@ def hash_extender(algo: str) -> Extender:
     """The block-hash function named ``algo`` (see the module docstring)."""
     if algo not in _ALGOS:
         raise InvalidArgumentError(f"unknown hash algorithm {algo!r}; known: {list(_ALGOS)}")
-    if algo == "xxh3_128":
-        try:
-            import xxhash  # noqa: F401
-        except ImportError:
-            raise InvalidArgumentError(
-                "hash algorithm 'xxh3_128' needs the xxhash package; use 'fast' or 'sha256'"
-            ) from None
-    return _ALGOS[algo]
+    return _ALGOS[algo]()
 
 
 def _key_int(key: object) -> int:
