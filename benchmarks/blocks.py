@@ -30,9 +30,9 @@ import time
 
 from pagedkv.blocks import KVCacheManager
 from pagedkv.blocks.hashing import HASH_ALGOS, hash_extender
+from pagedkv.kvspec import AttentionKV, Full, LayerSpec, SlidingWindow
+from pagedkv.kvspec.attention import Attention
 from pagedkv.plan.types import Group
-from pagedkv.spec import AttentionKV, Full, LayerSpec, SlidingWindow
-from pagedkv.spec.attention import Attention
 
 ns = time.perf_counter_ns
 

@@ -12,8 +12,7 @@ import json
 import statistics
 import time
 
-from pagedkv.plan import PlanOptions, format_bytes, make_plan
-from pagedkv.spec import (
+from pagedkv.kvspec import (
     Attention,
     AttentionKV,
     ChunkedLocal,
@@ -26,6 +25,7 @@ from pagedkv.spec import (
     SlidingWindow,
     StateTensor,
 )
+from pagedkv.plan import PlanOptions, format_bytes, make_plan
 
 GDN = RecurrentState(
     (StateTensor("conv", (3, 8192), "bf16", 1), StateTensor("ssm", (32, 128, 128), "fp32", 0)),

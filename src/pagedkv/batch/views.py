@@ -20,7 +20,7 @@ import torch
 
 from pagedkv.batch.metadata import GroupMetadata
 from pagedkv.errors import ConfigError, InvalidArgumentError, UnsupportedCapabilityError
-from pagedkv.spec import LayerSpec
+from pagedkv.kvspec import LayerSpec
 
 
 @dataclass(frozen=True)

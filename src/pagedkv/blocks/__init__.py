@@ -1,6 +1,6 @@
 """Run-time block management: pools, prefix cache, per-retention managers, coordinator.
 
-Pure Python; imports only the standard library (and ``pagedkv.spec`` / ``pagedkv.plan``).
+Pure Python; imports only the standard library (and ``pagedkv.kvspec`` / ``pagedkv.plan``).
 """
 
 from pagedkv.blocks.coordinator import KVCacheManager, debug_from_env

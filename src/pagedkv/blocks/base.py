@@ -10,8 +10,8 @@ from __future__ import annotations
 from pagedkv.blocks.events import CopyOp, EventLog
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.request import INF, RequestState
+from pagedkv.kvspec.retention import blocks_per_request, cdiv, step_blocks
 from pagedkv.plan.types import Group
-from pagedkv.spec.retention import blocks_per_request, cdiv, step_blocks
 
 
 class GroupManager:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.request import RequestState
-from pagedkv.spec.retention import cdiv
+from pagedkv.kvspec.retention import cdiv
 
 
 class FullManager(GroupManager):

@@ -9,8 +9,8 @@ from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.events import EventLog
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.request import RequestState
+from pagedkv.kvspec.retention import ChunkedLocal, SlidingWindow, cdiv
 from pagedkv.plan.types import Group
-from pagedkv.spec.retention import ChunkedLocal, SlidingWindow, cdiv
 
 
 def first_needed_fn(retention: SlidingWindow | ChunkedLocal) -> Callable[[int], int]:

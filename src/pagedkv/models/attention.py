@@ -16,9 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
-from pagedkv.models.fields import first, model_dtype, model_type, need_int
-from pagedkv.models.pattern import CHUNKED, FULL, SLIDING
-from pagedkv.spec import (
+from pagedkv.kvspec import (
     Attention,
     AttentionKV,
     ChunkedLocal,
@@ -31,6 +29,8 @@ from pagedkv.spec import (
     SlidingWindow,
     parse_dtype,
 )
+from pagedkv.models.fields import first, model_dtype, model_type, need_int
+from pagedkv.models.pattern import CHUNKED, FULL, SLIDING
 
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_ds_mla")
 _SINK_MODEL_TYPES = ("gpt_oss",)

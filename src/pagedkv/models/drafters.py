@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from pagedkv.errors import ConfigError
+from pagedkv.kvspec import LayerSpec
 from pagedkv.models.attention import (
     indexer_layout,
     is_mla,
@@ -35,7 +36,6 @@ from pagedkv.models.attention import (
 )
 from pagedkv.models.fields import need_int, opt_int, text_config
 from pagedkv.models.pattern import FULL
-from pagedkv.spec import LayerSpec
 
 MODEL, EAGLE, DFLASH, DSPARK = "model", "eagle", "dflash", "dspark"
 DRAFT = "draft"  # the ``model`` of drafter layers

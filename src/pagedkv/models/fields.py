@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedkv.errors import ConfigError
-from pagedkv.spec import DType, parse_dtype
+from pagedkv.kvspec import DType, parse_dtype
 
 # Keys whose value is the decoder's own config inside a wrapper: multimodal models
 # (``text_config``) and the vLLM "speculators" drafter format (``transformer_layer_config``).

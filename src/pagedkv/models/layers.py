@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pagedkv.errors import ConfigError
+from pagedkv.kvspec import TARGET, LayerSpec, Recurrent
 from pagedkv.models.attention import (
     indexer_layout,
     is_mla,
@@ -16,7 +17,6 @@ from pagedkv.models.drafters import as_drafter, drafter_role
 from pagedkv.models.fields import text_config
 from pagedkv.models.pattern import ATTENTION_KINDS, RECURRENT, layer_pattern
 from pagedkv.models.recurrent import MAMBA1, MAMBA2, recurrent_state
-from pagedkv.spec import TARGET, LayerSpec, Recurrent
 
 
 def _prefix(model: str) -> str:

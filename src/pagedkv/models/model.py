@@ -6,13 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedkv.errors import ConfigError
+from pagedkv.kvspec import TARGET, LayerSpec
 from pagedkv.models.attention import resolve_kv_dtype
 from pagedkv.models.config import Source, load_config, source_name
 from pagedkv.models.drafters import DRAFT, MODEL, drafter_role, mtp_layers, num_mtp_layers
 from pagedkv.models.fields import need_int, text_config
 from pagedkv.models.layers import layers_from_config
 from pagedkv.models.weights import estimate_weight_bytes, mtp_weight_bytes
-from pagedkv.spec import TARGET, LayerSpec
 
 MTP = "mtp"
 

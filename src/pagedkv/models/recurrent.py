@@ -33,9 +33,9 @@ import math
 from collections.abc import Mapping
 
 from pagedkv.errors import ConfigError, UnsupportedArchitectureError
+from pagedkv.kvspec import DType, RecurrentState, StateTensor, parse_dtype
 from pagedkv.models.attention import head_dim, num_heads
 from pagedkv.models.fields import first, model_dtype, need_int
-from pagedkv.spec import DType, RecurrentState, StateTensor, parse_dtype
 
 KDA, GDN, MAMBA2, MAMBA1, LIGHTNING = "kda", "gdn", "mamba2", "mamba1", "lightning"
 

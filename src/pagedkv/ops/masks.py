@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.spec import Attention
+from pagedkv.kvspec import Attention
 
 
 @dataclass(frozen=True)

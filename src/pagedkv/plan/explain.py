@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 
+from pagedkv.kvspec import AttentionKV, IndexerKV, Layout, MLALatent, RecurrentState
 from pagedkv.plan.sizes import format_bytes
 from pagedkv.plan.types import Group, TypicalCapacity
-from pagedkv.spec import AttentionKV, IndexerKV, Layout, MLALatent, RecurrentState
 
 
 def layout_label(layout: Layout) -> str:

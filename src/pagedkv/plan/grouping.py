@@ -1,7 +1,7 @@
 """Layers -> block-table groups, and the default block size.
 
 Layers share a block table when their retention, block size and positions line up
-(:func:`pagedkv.spec.block_table_compatibility`); layout and attention flags never matter.
+(:func:`pagedkv.kvspec.block_table_compatibility`); layout and attention flags never matter.
 The block size is one per plan, so the grouping key is (retention, position offset).
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.errors import ConfigError
-from pagedkv.spec import LayerSpec, MLALatent, Retention
+from pagedkv.kvspec import LayerSpec, MLALatent, Retention
 
 BLOCK_SIZE_MLA = 64  # FlashMLA's page size
 BLOCK_SIZE_DEFAULT = 16

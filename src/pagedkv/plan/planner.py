@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.kvspec import LayerSpec, blocks_per_request, cdiv, step_blocks
 from pagedkv.plan.explain import describe_group, limit_sentence
 from pagedkv.plan.grouping import LayerGroup, default_block_size, group_layers
 from pagedkv.plan.sharing import PoolMap, pool_sets
@@ -40,7 +41,6 @@ from pagedkv.plan.types import (
 )
 from pagedkv.plan.views import stage_pools
 from pagedkv.plan.vllm_model import vllm_report
-from pagedkv.spec import LayerSpec, blocks_per_request, cdiv, step_blocks
 
 STRATEGY = "pagedkv"
 STRATEGIES = ("auto", STRATEGY)  # strategies make_plan can build; "vllm" is reported only

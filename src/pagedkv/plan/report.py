@@ -6,6 +6,7 @@ import dataclasses
 import re
 from typing import Any
 
+from pagedkv.kvspec import Retention
 from pagedkv.plan.explain import layer_mix, retention_label
 from pagedkv.plan.sizes import format_bytes
 from pagedkv.plan.types import (
@@ -17,7 +18,6 @@ from pagedkv.plan.types import (
     TensorView,
     TypicalCapacity,
 )
-from pagedkv.spec import Retention
 
 
 def _retention(ret: Retention) -> dict[str, Any]:

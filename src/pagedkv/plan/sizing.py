@@ -1,8 +1,8 @@
 """pagedkv's own sizing: one pool per group, split by the workload ratio.
 
 For a request of ``max_model_len`` tokens, token group g holds ``b_g`` blocks
-(:func:`pagedkv.spec.blocks_per_request`) and the step's shared token budget adds ``s_g``
-blocks once per step, not once per request (:func:`pagedkv.spec.step_blocks`); a recurrent
+(:func:`pagedkv.kvspec.blocks_per_request`) and the step's shared token budget adds ``s_g``
+blocks once per step, not once per request (:func:`pagedkv.kvspec.step_blocks`); a recurrent
 group holds one state slot per request. On each rank the largest N with
 
     budget - alignment >= sum_g (N * b_g + s_g) * page_g + N * state
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from pagedkv.errors import DoesNotFitError
+from pagedkv.kvspec import Retention, bytes_per_request, bytes_per_token
 from pagedkv.plan.sizes import format_bytes
 from pagedkv.plan.stages import Stage
-from pagedkv.spec import Retention, bytes_per_request, bytes_per_token
 
 ALIGNMENT = 256  # byte alignment of every tensor view inside a pool
 NULL_BLOCK_KINDS = ("sliding_window", "chunked_local")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.spec import TARGET, LayerSpec, Layout
+from pagedkv.kvspec import TARGET, LayerSpec, Layout
 
 
 @dataclass(frozen=True)

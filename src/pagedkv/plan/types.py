@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.spec import DType, LayerSpec, Retention
+from pagedkv.kvspec import DType, LayerSpec, Retention
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
-from pagedkv.plan.stages import Stage
-from pagedkv.plan.types import Capacity, StrategyReport
-from pagedkv.spec import (
+from pagedkv.kvspec import (
     ChunkedLocal,
     Cross,
     Full,
@@ -47,6 +45,8 @@ from pagedkv.spec import (
     bytes_per_token,
     cdiv,
 )
+from pagedkv.plan.stages import Stage
+from pagedkv.plan.types import Capacity, StrategyReport
 
 NAME = "vllm"
 GROUP_SIZE_SLACK = 1.5  # vLLM 0.34: use the largest type's count when max < 1.5 x min

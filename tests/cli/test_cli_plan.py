@@ -1,0 +1,205 @@
+"""`pagedkv plan` / `pagedkv models` as a user runs them: exit codes, one-line errors, JSON keys."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv.kvspec import RETENTION_KINDS
+from pagedkv.models import catalog_names
+
+GiB = 1 << 30
+
+
+
+def plan_json(cli, *argv):
+    code, out, err = cli("plan", *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_models_lists_the_catalog(cli):
+    code, out, _ = cli("models")
+    assert code == 0
+    listed = [line.split()[0] for line in out.splitlines()]
+    assert listed == catalog_names()
+    for name in ("llama-3-8b", "kimi-k3", "kimi-k3-dspark", "minimax-m1", "deepseek-v3.2"):
+        assert name in listed
+
+
+def test_plan_json_keys_for_a_plain_model(cli):
+    doc = plan_json(cli, "llama-3-8b", "--memory", "40GiB")
+    for key in ("budget_bytes", "num_blocks", "padding_bytes", "capacity", "groups"):
+        assert key in doc
+    assert doc["budget_bytes"] == 40 * GiB
+    cap = doc["capacity"]
+    assert cap["max_model_len"] == 8192  # Llama-3-8B's max_position_embeddings
+    # 32 layers x K and V x 8 heads x 128 x bf16, 16-token blocks
+    page = 32 * 2 * 8 * 128 * 2 * 16
+    assert doc["num_blocks"] == 40 * GiB // page
+    assert cap["tokens"] == doc["num_blocks"] * 16
+    assert cap["tokens"] == pytest.approx(cap["max_concurrency"] * 8192, abs=1)
+    (group,) = doc["groups"]
+    assert group["retention"]["kind"] == "full"
+    assert group["models"] == ["target"]
+    assert group["bytes_per_token"] == 32 * 2 * 8 * 128 * 2
+    assert len(group["layers"]) == 32
+
+
+def test_plan_json_kimi_k3_with_dspark_shares_one_group(cli):
+    doc = plan_json(cli, "kimi-k3", "--draft", "kimi-k3-dspark", "--memory", "40GiB",
+                    "--max-model-len", "131072")
+    kinds = {g["retention"]["kind"] for g in doc["groups"]}
+    assert kinds <= set(RETENTION_KINDS)
+    (mla,) = [g for g in doc["groups"] if g["retention"]["kind"] == "full"]
+    assert sorted(mla["models"]) == ["draft", "target"]
+    assert len(mla["layers"]) == 29
+    assert mla["bytes_per_token"] == 29 * 1152 == 33408
+    (rec,) = [g for g in doc["groups"] if g["retention"]["kind"] == "recurrent"]
+    assert rec["bytes_per_token"] == 0 and len(rec["layers"]) == 69
+    assert rec["bytes_per_request"] == 69 * (3 * 36864 * 4 + 96 * 128 * 128 * 4)
+    assert doc["padding_bytes"] <= 0.02 * doc["budget_bytes"]
+    vllm = [a for a in doc["alternatives"] if a["name"].startswith("vllm")]
+    assert vllm and doc["capacity"]["tokens"] >= vllm[0]["capacity"]["tokens"]
+
+
+def test_plan_human_output_names_groups_and_limit(cli):
+    code, out, _ = cli("plan", "gpt-oss-120b", "--memory", "40GiB")
+    assert code == 0
+    assert "sliding" in out and "full" in out
+    assert "limited by" in out
+
+
+def test_plan_typical_len_reports_both_capacities(cli):
+    doc = plan_json(cli, "gemma-3-27b", "--memory", "40GiB", "--max-model-len", "16384",
+                    "--typical-len", "2048")
+    cap = doc["capacity"]
+    assert set(cap) == {"max_model_len", "max_concurrency", "tokens", "limited_by", "typical"}
+    assert cap["max_model_len"] == 16384 and cap["max_concurrency"] >= 1
+    typical = cap["typical"]
+    assert set(typical) == {"len", "max_concurrency", "tokens"} and typical["len"] == 2048
+    assert typical["tokens"] == int(typical["max_concurrency"] * 2048)
+    names = [a["name"] for a in doc["alternatives"]]
+    assert names == ["vllm", "pagedkv-max-len"]
+    longest = doc["alternatives"][1]
+    assert set(longest["capacity"]) == set(cap)
+    # the trade: more short requests, fewer of max_model_len
+    assert typical["max_concurrency"] > longest["capacity"]["typical"]["max_concurrency"]
+    assert cap["max_concurrency"] <= longest["capacity"]["max_concurrency"]
+    assert doc["alternatives"][0]["capacity"]["typical"] is None
+    window, full = doc["groups"]
+    assert window["reserved_blocks"] == 1 and full["reserved_blocks"] == 0
+    pools = {p["id"]: p for p in doc["pools"]}
+    assert pools[0]["reserved_pages"] == 1 and pools[0]["num_pages"] == window["num_blocks"]
+    without = plan_json(cli, "gemma-3-27b", "--memory", "40GiB", "--max-model-len", "16384")
+    assert without["capacity"]["typical"] is None
+    assert [a["name"] for a in without["alternatives"]] == ["vllm"]
+    assert without["capacity"]["max_concurrency"] == longest["capacity"]["max_concurrency"]
+    code, out, _ = cli("plan", "gemma-3-27b", "--memory", "40GiB",
+                           "--max-model-len", "16384", "--typical-len", "2048")
+    assert code == 0 and "typical: " in out and "compare pagedkv-max-len" in out
+
+
+def test_simulate_typical_len_runs_more_requests_at_once(cli):
+    def sim(*extra):
+        code, out, err = cli("simulate", "gemma-3-27b", "--memory", "40GiB",
+                                 "--max-model-len", "16384", "--workload", "shared-prefix",
+                                 "--requests", "150", *extra, "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+    before, after = sim(), sim("--typical-len", "2048")
+    for doc in (before, after):
+        assert doc["requests_finished"] == 150 and doc["leaked_blocks"] == 0
+    (w0, f0), (w1, f1) = before["groups"], after["groups"]
+    assert w0["retention"] == w1["retention"] == "sliding_window"
+    # without it the window pool is the limit: it fills up
+    assert w0["peak_blocks"] >= w0["num_blocks"] - 2
+    # with it the window group holds more blocks at once than the old pool had in all,
+    # the full-attention group more requests' tokens, and more requests decode per step
+    # (tokens per step = requests decoding at once, on average: the peak concurrency shows
+    # in the pools' peaks, the JSON has no running count)
+    assert w1["peak_blocks"] > w0["num_blocks"]
+    assert f1["peak_blocks"] > f0["peak_blocks"]
+    assert after["generated_tokens_per_step"] > before["generated_tokens_per_step"]
+    assert after["steps"] < before["steps"]
+
+
+def test_gpu_budget_uses_weights(cli):
+    small = plan_json(cli, "llama-3-8b", "--gpu", "h200", "--weights", "100GiB")
+    large = plan_json(cli, "llama-3-8b", "--gpu", "h200", "--weights", "16GiB")
+    assert large["budget_bytes"] - small["budget_bytes"] == 84 * GiB
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["plan", "no-such-model", "--memory", "1GiB"], "no-such-model"),
+        (["plan", "/nonexistent/config.json", "--memory", "1GiB"], "/nonexistent"),
+        (["plan", "llama-3-8b", "--memory", "0"], "0"),
+        (["plan", "llama-3-8b", "--memory=-5GiB"], "-5GiB"),
+        (["plan", "llama-3-8b", "--memory", "lots"], "lots"),
+        (["plan", "llama-3-8b", "--memory", "1MiB"], "1"),  # cannot hold one request
+        (["plan", "llama-3-8b", "--gpu", "no-such-gpu"], "no-such-gpu"),
+        (["plan", "llama-3-8b", "--gpu", "h200", "--weights", "200GiB"], "200"),
+        (["plan", "llama-3-8b", "--memory", "40GiB", "--kv-dtype", "fp8_ds_mla"], "fp8_ds_mla"),
+        (["plan", "llama-3-8b", "--memory", "40GiB", "--tp", "3"], "3"),
+        (["plan", "llama-3-8b", "--memory", "40GiB", "--block-size", "0"], "0"),
+        (["plan", "llama-3-8b", "--memory", "40GiB", "--typical-len", "0"], "0"),
+        (["plan", "llama-3-8b", "--memory", "40GiB", "--typical-len", "9000"], "9000"),
+        (["simulate", "llama-3-8b", "--memory", "40GiB", "--typical-len", "9000",
+          "--workload", "chat"], "9000"),
+        (["plan", "llama-3-8b", "--memory", "40GiB", "--draft", "mtp"], "mtp"),
+        (["plan", "llama-3-8b"], "budget"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(cli, argv, needle):
+    code, _, err = cli(*argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedkv: error:"), err
+    assert needle in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("{ not json", "json"),
+        ('{"model_type": "llama", "hidden_size": 4096}', "num_hidden_layers"),
+        ('{"model_type": "mystery", "num_hidden_layers": 2, "hidden_size": 64, '
+         '"num_attention_heads": 4, "layer_types": ["full_attention", "teleport"]}', "teleport"),
+        ("[1, 2, 3]", "object"),
+    ],
+)
+def test_bad_config_files_exit_2(tmp_path, cli, content, needle):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    code, _, err = cli("plan", str(path), "--memory", "40GiB")
+    assert code == 2
+    assert needle.lower() in err.lower()
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_checkpoint_folder_is_read(tmp_path, cli):
+    from pagedkv.models import load_config
+
+    (tmp_path / "config.json").write_text(json.dumps(load_config("mistral-7b")))
+    doc = plan_json(cli, str(tmp_path), "--memory", "8GiB")
+    (group,) = doc["groups"]
+    assert group["retention"]["kind"] == "sliding_window"
+    assert group["retention"]["window"] == 4096
+
+
+def test_console_script_runs_without_torch_under_O():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any torch import would now fail
+        "from pagedkv.cli import main\n"
+        "raise SystemExit(main(['plan', 'kimi-k3', '--draft', 'kimi-k3-dspark', "
+        "'--memory', '100GiB', '--json']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["num_blocks"] > 0
