@@ -10,6 +10,8 @@ fp32; Mamba conv in the model dtype, SSM state in ``mamba_ssm_cache_dtype``).
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -215,12 +217,17 @@ def _groups(plan) -> list[tuple[str, int | None, int, int]]:
     )
 
 
-def test_every_fixture_has_an_expectation():
+def test_every_fixture_has_an_expectation_and_is_as_copied():
     files = {p.name for p in FIXTURES.glob("*.json")}
     assert len(files) >= 30
     assert files == set(EXPECTED) | set(REFUSED)
     readme = (FIXTURES / "README.md").read_text(encoding="utf-8")
-    assert all(name in readme for name in files), "README must name every fixture's source"
+    # README rows: | file | repository | path | commit | sha256 |
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| (\S+\.json)[^|]*\|.*\| ([0-9a-f]{64}) \|$",
+                                              readme, re.M)}
+    assert set(rows) == files, "README must name every fixture's source"
+    for name, digest in rows.items():
+        assert hashlib.sha256((FIXTURES / name).read_bytes()).hexdigest() == digest, name
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
