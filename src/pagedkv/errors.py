@@ -57,3 +57,7 @@ class UnsupportedCapabilityError(PagedKVError):
 
 class MetadataError(PagedKVError):
     """Per-step attention metadata is inconsistent (checked mode)."""
+
+
+class IncompatibleDrafterError(ConfigError):
+    """A drafter cannot belong to its target (layer ids, hidden size, vocabulary, latent)."""

@@ -75,12 +75,13 @@ EXPECTED = {
         28 * (3 * 8192 * BF16 + 8192 * 16 * BF16),
     ),
     # "*" at 7, 18, 29, 40; Mamba2 conv 3 x (128 x 64 + 2 x 8 x 128) bf16, ssm 128 x 64 x 128
-    # bf16 (the public config sets no mamba_ssm_cache_dtype); "-" MLP layers hold nothing
+    # fp32: the public config sets no mamba_ssm_cache_dtype, and transformers' NemotronHConfig
+    # defaults it to "float32" (which vLLM then uses); "-" MLP layers hold nothing
     "nemotron-h-8b": (
         {Full(): 4, Recurrent(): 24},
         [7, 18, 29, 40],
         4 * 2 * 8 * 128 * BF16,
-        24 * (3 * (128 * 64 + 2 * 8 * 128) * BF16 + 128 * 64 * 128 * BF16),
+        24 * (3 * (128 * 64 + 2 * 8 * 128) * BF16 + 128 * 64 * 128 * FP32),
     ),
     # attn_type_list 1 at every 8th layer; lightning state 64 x 128 x 128 fp32
     "minimax-m1": (

@@ -52,8 +52,11 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
                         "from the config)")
 
 
-def budget_bytes(args: argparse.Namespace, estimated_weight_bytes: int) -> int:
-    """Per-rank KV budget from --memory, or from --gpu, --utilization and the weights."""
+def budget_bytes(args: argparse.Namespace, estimated_weight_bytes) -> int:
+    """Per-rank KV budget from --memory, or from --gpu, --utilization and the weights.
+
+    ``estimated_weight_bytes`` is an int or a callable returning one: it is asked for only
+    with --gpu and no --weights, so weight-only config fields are needed only then."""
     from pagedkv.plan import budget_from_gpu, parse_size
 
     if args.memory is not None:
@@ -67,7 +70,12 @@ def budget_bytes(args: argparse.Namespace, estimated_weight_bytes: int) -> int:
         raise InvalidArgumentError("give a budget: --memory SIZE or --gpu NAME")
     if not 0 < args.utilization <= 1:
         raise InvalidArgumentError(f"--utilization must be in (0, 1], got {args.utilization}")
-    weights = estimated_weight_bytes if args.weights is None else parse_size(args.weights)
+    if args.weights is not None:
+        weights = parse_size(args.weights)
+    elif callable(estimated_weight_bytes):
+        weights = estimated_weight_bytes()
+    else:
+        weights = estimated_weight_bytes
     ranks = args.tp * args.pp
     return budget_from_gpu(args.gpu, args.utilization, -(-weights // ranks))
 
@@ -82,8 +90,8 @@ def plan_from_args(args: argparse.Namespace):
 
     spec = load_model(args.model, args.draft, kv_dtype=args.kv_dtype)
     options = PlanOptions(
-        budget_bytes=budget_bytes(args, spec.weight_bytes),
-        max_model_len=args.max_model_len or spec.max_position_embeddings,
+        budget_bytes=budget_bytes(args, spec.need_weight_bytes),
+        max_model_len=args.max_model_len or spec.need_max_position_embeddings(),
         block_size=args.block_size,
         max_batched_tokens=args.max_batched_tokens,
         tp=args.tp,

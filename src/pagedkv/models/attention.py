@@ -2,7 +2,8 @@
 indexer cache, and the retention/mask each attention kind implies.
 
 Fields read: ``num_attention_heads``, ``num_key_value_heads`` (default: the head count),
-``head_dim`` / ``attention_head_dim`` (default: hidden_size / heads), ``kv_lora_rank`` +
+``head_dim`` / ``attention_head_dim`` (default: hidden_size / heads), ``v_head_dim`` (GQA
+layers whose V heads are narrower than K, MiMo-V2), ``kv_lora_rank`` +
 ``qk_rope_head_dim`` (MLA: a latent of kv_lora_rank + rope values per token, whatever
 ``mla_use_nope`` says), ``index_head_dim`` (V3.2 indexer: one fp8 key + fp32 scale per
 token), ``sliding_window``, ``attention_chunk_size``, ``attn_logit_softcapping``,
@@ -44,7 +45,7 @@ def resolve_kv_dtype(cfg: Mapping, kv_dtype: str) -> str:
     if key == "fp8_ds_mla":
         return key
     if key == "auto":
-        dtype = model_dtype(cfg)
+        dtype = checkpoint_kv_dtype(cfg) or model_dtype(cfg)
     else:
         try:
             dtype = parse_dtype(key)
@@ -53,6 +54,27 @@ def resolve_kv_dtype(cfg: Mapping, kv_dtype: str) -> str:
     if dtype not in (DType.BF16, DType.FP16, DType.FP8):
         raise InvalidArgumentError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     return dtype.value
+
+
+def checkpoint_kv_dtype(cfg: Mapping) -> DType | None:
+    """The KV-cache dtype a quantized checkpoint was calibrated for, which engines use with
+    ``--kv-cache-dtype auto``: an 8-bit float ``quantization_config.kv_cache_scheme``
+    (compressed-tensors, ModelOpt) or ModelOpt's ``kv_cache_quant_algo: FP8``."""
+    quant = cfg.get("quantization_config")
+    if not isinstance(quant, Mapping):
+        return None
+    scheme = quant.get("kv_cache_scheme")
+    if isinstance(scheme, Mapping):
+        if scheme.get("num_bits") == 8 and scheme.get("type", "float") == "float":
+            return DType.FP8
+        raise ConfigError(
+            f"quantization_config.kv_cache_scheme {dict(scheme)!r} is not an 8-bit float KV "
+            "cache; pagedkv models fp8 KV only (pass --kv-dtype to choose another)"
+        )
+    algo = quant.get("kv_cache_quant_algo")
+    if isinstance(algo, str) and algo.upper() == "FP8":
+        return DType.FP8
+    return None
 
 
 def is_mla(cfg: Mapping) -> bool:
@@ -77,6 +99,22 @@ def head_dim(cfg: Mapping) -> int:
     return hidden // heads
 
 
+def value_head_dim(cfg: Mapping) -> int | None:
+    """V head dim of GQA/MHA layers when it differs from the K head dim (MiMo-V2)."""
+    if cfg.get("v_head_dim") is None:
+        return None
+    value = need_int(cfg, "v_head_dim", why="attention geometry")
+    return None if value == head_dim(cfg) else value
+
+
+def sliding_window(cfg: Mapping) -> int:
+    """The window of sliding layers. MiMo-V2's ``sliding_window_size`` counts the earlier
+    tokens a query sees, so its window is one more (transformers reads it so)."""
+    if model_type(cfg).startswith("mimo_v2") and cfg.get("sliding_window_size") is not None:
+        return need_int(cfg, "sliding_window_size", why="sliding-window layers") + 1
+    return need_int(cfg, "sliding_window", why="sliding-window layers")
+
+
 def kv_heads(cfg: Mapping) -> int:
     if cfg.get("num_key_value_heads") is None:
         return num_heads(cfg)
@@ -91,7 +129,7 @@ def kv_layout(cfg: Mapping, fmt: str) -> Layout:
         return MLALatent(rank, rope, fmt)  # type: ignore[arg-type]
     if fmt == "fp8_ds_mla":
         raise ConfigError("fp8_ds_mla is an MLA-only format")  # callers check first
-    return AttentionKV(kv_heads(cfg), head_dim(cfg), parse_dtype(fmt))
+    return AttentionKV(kv_heads(cfg), head_dim(cfg), parse_dtype(fmt), value_head_dim(cfg))
 
 
 def indexer_layout(cfg: Mapping) -> IndexerKV | None:
@@ -105,15 +143,18 @@ def retention_and_mask(cfg: Mapping, kind: str) -> tuple[Retention, Attention]:
     """Retention and mask of an attention layer of canonical ``kind``."""
     soft_cap = cfg.get("attn_logit_softcapping")
     scalar = cfg.get("query_pre_attn_scalar")
+    sinks = model_type(cfg) in _SINK_MODEL_TYPES or bool(
+        cfg.get("add_swa_attention_sink_bias" if kind == SLIDING else "add_full_attention_sink_bias")
+    )
     common = {
-        "sinks": model_type(cfg) in _SINK_MODEL_TYPES,
+        "sinks": sinks,
         "soft_cap": float(soft_cap) if soft_cap else None,
         "scale": float(scalar) ** -0.5 if scalar else None,
     }
     if kind == FULL:
         return Full(), Attention(**common)
     if kind == SLIDING:
-        window = need_int(cfg, "sliding_window", why="sliding-window layers")
+        window = sliding_window(cfg)
         return SlidingWindow(window), Attention(window=window, **common)
     if kind == CHUNKED:
         chunk = need_int(cfg, "attention_chunk_size", why="chunked-attention layers")

@@ -17,8 +17,23 @@ from pagedkv.kvspec import DType, parse_dtype
 NESTED_KEYS = ("text_config", "transformer_layer_config")
 
 
+# Defaults a family's transformers config class fills in when the file leaves a field out,
+# where the field changes the cache (reviewed against transformers 5.24).
+FAMILY_DEFAULTS = {
+    "nemotron_h": {"mamba_ssm_cache_dtype": "float32"},  # NemotronHConfig
+}
+
+
+def _with_family_defaults(cfg: dict) -> dict:
+    for key, value in FAMILY_DEFAULTS.get(model_type(cfg), {}).items():
+        if cfg.get(key) is None:
+            cfg[key] = value
+    return cfg
+
+
 def text_config(config: Mapping) -> dict:
-    """The decoder's fields: a nested ``text_config`` merged over the top level.
+    """The decoder's fields: a nested ``text_config`` merged over the top level, with the
+    family's defaults (:data:`FAMILY_DEFAULTS`) under fields the file leaves out.
 
     Top-level fields the nested config lacks (``torch_dtype``, ``quantization_config``,
     drafter fields such as ``block_size``) still apply, so they are kept underneath.
@@ -33,8 +48,8 @@ def text_config(config: Mapping) -> dict:
             raise ConfigError(f"{key} must be an object, got {type(inner).__name__}")
         merged = {k: v for k, v in config.items() if k not in NESTED_KEYS}
         merged.update(inner)
-        return merged
-    return dict(config)
+        return _with_family_defaults(merged)
+    return _with_family_defaults(dict(config))
 
 
 def first(cfg: Mapping, *keys: str) -> Any:

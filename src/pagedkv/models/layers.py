@@ -14,7 +14,9 @@ from pagedkv.models.attention import (
     retention_and_mask,
 )
 from pagedkv.models.drafters import as_drafter, drafter_role
-from pagedkv.models.fields import text_config
+from pagedkv.models.fields import opt_int, text_config
+from pagedkv.models.geometry import refuse_unmodelled
+from pagedkv.models.overrides import layer_fields
 from pagedkv.models.pattern import ATTENTION_KINDS, RECURRENT, layer_pattern
 from pagedkv.models.recurrent import MAMBA1, MAMBA2, recurrent_state
 
@@ -43,6 +45,17 @@ def _refuse_ds_mla_on_gqa(cfg: Mapping, pattern: tuple[str, ...], model: str) ->
         )
 
 
+def kv_shared_from(cfg: Mapping, num_layers: int) -> int:
+    """Index of the first layer that reuses an earlier layer's K/V (Gemma ``num_kv_shared_layers``:
+    the last N layers cache nothing), or ``num_layers`` when none does."""
+    shared = opt_int(cfg, "num_kv_shared_layers", default=0) or 0
+    if shared > num_layers:
+        raise ConfigError(
+            f"num_kv_shared_layers {shared} exceeds num_hidden_layers {num_layers}"
+        )
+    return num_layers - shared
+
+
 def layers_from_config(
     config: Mapping, *, model: str = TARGET, kv_dtype: str = "auto"
 ) -> tuple[LayerSpec, ...]:
@@ -56,8 +69,10 @@ def layers_from_config(
     ``fp8`` or ``fp8_ds_mla`` (MLA only); recurrent states keep their own dtypes.
     """
     cfg = text_config(config)
+    refuse_unmodelled(cfg)
     fmt = resolve_kv_dtype(cfg, kv_dtype)
     pattern = layer_pattern(cfg)
+    cached = kv_shared_from(cfg, len(pattern))
     if fmt == "fp8_ds_mla":
         _refuse_ds_mla_on_gqa(cfg, pattern, model)
     role = drafter_role(cfg)
@@ -65,10 +80,13 @@ def layers_from_config(
     layers: list[LayerSpec] = []
     state = None
     for i, kind in enumerate(pattern):
-        if kind in ATTENTION_KINDS:
-            retention, attention = retention_and_mask(cfg, kind)
+        if kind in ATTENTION_KINDS and i < cached:
+            fields = layer_fields(cfg, i, kind)
+            retention, attention = retention_and_mask(fields, kind)
             base = f"{prefix}.layers.{i}.self_attn"
-            layers.append(LayerSpec(base, kv_layout(cfg, fmt), retention, attention, model, 0, i))
+            layers.append(
+                LayerSpec(base, kv_layout(fields, fmt), retention, attention, model, 0, i)
+            )
             indexer = indexer_layout(cfg)
             if indexer is not None:
                 if not is_mla(cfg):
@@ -80,7 +98,7 @@ def layers_from_config(
                     LayerSpec(f"{base}.indexer", indexer, retention, attention, model, 0, i)
                 )
         elif kind == RECURRENT:
-            state = state or recurrent_state(cfg)
+            state = state or recurrent_state(layer_fields(cfg, i, kind))
             suffix = "mamba" if state.family in (MAMBA1, MAMBA2) else "linear_attn"
             layers.append(
                 LayerSpec(f"{prefix}.layers.{i}.{suffix}", state, Recurrent(), None, model, 0, i)

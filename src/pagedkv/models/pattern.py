@@ -7,16 +7,21 @@ The result is one canonical kind per layer:
 - ``chunked``: softmax attention inside aligned chunks (``attention_chunk_size``);
 - ``recurrent``: a fixed-size state (Mamba, GatedDeltaNet, KDA, lightning); which one is
   read from other fields (:mod:`pagedkv.models.recurrent`);
-- ``mlp`` / ``moe``: a layer with no token mixer and no cache (Nemotron-H ``-`` / ``E``).
+- ``mlp`` / ``moe``: a layer with no token mixer and no cache (Nemotron-H ``-`` / ``E``);
+- ``noop``: a decoder block whose attention is skipped (Nemotron NAS ``no_op``): its MLP
+  remains, it caches nothing.
 
 Fields are read in this order; the first present decides: ``layer_types`` (or
-``layers_block_type``), ``linear_attn_config.full_attn_layers/kda_layers`` (1-based),
-``hybrid_override_pattern``, ``attn_type_list``, ``full_attention_interval``,
-``attn_layer_period/offset``, ``attention_chunk_size`` (+ ``no_rope_layers``),
-``sliding_window`` (+ ``sliding_window_pattern``, Gemma 2 alternation, Qwen2
-``use_sliding_window``/``max_window_layers``). With none of them every layer is full
-attention -- unless the config carries fields of a mixer we did not read, which is an
-error rather than a guess.
+``layers_block_type``), ``block_configs`` (Nemotron NAS), ``linear_attn_config.full_attn_layers/
+kda_layers`` (1-based), ``hybrid_override_pattern``, ``hybrid_layer_pattern`` (MiMo-V2: 0 full,
+1 sliding), ``attn_type_list``, ``full_attention_interval``, ``attn_layer_period/offset``,
+``attention_chunk_size`` (+ ``no_rope_layers``; Llama 4 fills an absent or empty list from
+``no_rope_layer_interval``, default 4), ``sliding_window`` (+ ``sliding_window_pattern``;
+Gemma 2 alternates; Gemma 3/4 default to 5 local : 1 global; Qwen2
+``use_sliding_window``/``max_window_layers``); pure Mamba / Mamba-2 model types are recurrent
+throughout. With none of them every layer is full attention -- unless the config carries
+fields of a mixer we did not read, which is an error rather than a guess. Gemma 4's last
+layer is always full attention, as transformers forces it.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from collections.abc import Mapping
 from pagedkv.errors import ConfigError, UnsupportedArchitectureError
 from pagedkv.models.fields import int_list, model_type, need_int, opt_int
 
-FULL, SLIDING, CHUNKED, RECURRENT, MLP, MOE = (
-    "full", "sliding", "chunked", "recurrent", "mlp", "moe"
+FULL, SLIDING, CHUNKED, RECURRENT, MLP, MOE, NOOP = (
+    "full", "sliding", "chunked", "recurrent", "mlp", "moe", "noop"
 )
 ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
 NO_CACHE_KINDS = (MLP, MOE)
@@ -46,6 +51,11 @@ _LAYER_TYPES = {
     "moe": MOE,
 }
 _HYBRID_CHARS = {"M": RECURRENT, "*": FULL, "-": MLP, "E": MOE}
+PURE_MAMBA_TYPES = ("mamba", "falcon_mamba", "mamba2")
+LLAMA4_NOPE_INTERVAL = 4  # transformers' default no_rope_layer_interval
+GEMMA_LOCAL_PERIOD = 6  # Gemma 3/4 default: 5 sliding layers, then 1 full
+# NAS block fields that change what a block caches and that pagedkv does not model
+_NAS_UNMODELLED = ("window_length", "sparsify", "num_sink_tokens")
 
 # Field-name prefixes of token mixers other than softmax attention. A config that has any
 # of them but none of the pattern fields above is a hybrid we cannot read.
@@ -143,7 +153,8 @@ def _from_chunking(cfg: Mapping) -> tuple[str, ...]:
                 f"no_rope_layers must hold {n} entries of 0/1, got {len(flags)}: {flags!r}"
             )
         return tuple(CHUNKED if f else FULL for f in flags)
-    interval = opt_int(cfg, "no_rope_layer_interval", minimum=1)
+    default = LLAMA4_NOPE_INTERVAL if model_type(cfg).startswith("llama4") else None
+    interval = opt_int(cfg, "no_rope_layer_interval", default=default, minimum=1)
     if interval is None:
         raise ConfigError(
             "attention_chunk_size is set but neither no_rope_layers nor "
@@ -159,6 +170,8 @@ def _from_sliding_window(cfg: Mapping) -> tuple[str, ...]:
     period = opt_int(cfg, "sliding_window_pattern", minimum=1)
     if period is None and model_type(cfg) == "gemma2":
         period = 2  # Gemma 2 alternates sliding / full, starting with sliding
+    if period is None and model_type(cfg).startswith(("gemma3", "gemma4")):
+        period = GEMMA_LOCAL_PERIOD
     if period is not None:
         return tuple(SLIDING if (i + 1) % period else FULL for i in range(n))
     if cfg.get("use_sliding_window") is True and cfg.get("max_window_layers") is not None:
@@ -181,11 +194,70 @@ def _refuse_unread_mixers(cfg: Mapping) -> None:
         )
 
 
+def block_config(cfg: Mapping, index: int) -> Mapping:
+    """Nemotron NAS ``block_configs[index]``, checked to be an object."""
+    blocks = cfg.get("block_configs")
+    if not isinstance(blocks, list) or not 0 <= index < len(blocks):
+        raise ConfigError(f"block_configs has no entry {index} (got {type(blocks).__name__})")
+    block = blocks[index]
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"block_configs[{index}] must be an object, got {block!r}")
+    return block
+
+
+def _from_block_configs(cfg: Mapping) -> tuple[str, ...]:
+    """Nemotron NAS: a block whose attention is ``no_op`` (or a linear replacement) caches
+    nothing; every other block is full attention with its own KV head count."""
+    blocks = cfg["block_configs"]
+    if not isinstance(blocks, list):
+        raise ConfigError(f"block_configs must be a list, got {type(blocks).__name__}")
+    kinds = []
+    for i in range(len(blocks)):
+        attention = block_config(cfg, i).get("attention") or {}
+        if not isinstance(attention, Mapping):
+            raise ConfigError(f"block_configs[{i}].attention must be an object")
+        for field in _NAS_UNMODELLED:
+            if attention.get(field) not in (None, False):
+                raise UnsupportedArchitectureError(
+                    f"block_configs[{i}].attention.{field} is {attention[field]!r}; pagedkv "
+                    "does not model this NAS attention variant"
+                )
+        skipped = attention.get("no_op") or attention.get("replace_with_linear")
+        kinds.append(NOOP if skipped else FULL)
+    return _check_length(cfg, kinds, "block_configs")
+
+
+def _from_hybrid_layer_pattern(cfg: Mapping) -> tuple[str, ...]:
+    """MiMo-V2: ``hybrid_layer_pattern[i]`` is 0 for full attention, 1 for sliding."""
+    values = int_list(cfg, "hybrid_layer_pattern") or []
+    kinds = []
+    for i, v in enumerate(values):
+        if v not in (0, 1):
+            raise UnsupportedArchitectureError(f"hybrid_layer_pattern[{i}] is {v!r}; known: 0, 1")
+        kinds.append(SLIDING if v else FULL)
+    return _check_length(cfg, kinds, "hybrid_layer_pattern")
+
+
+def _force_last_full(cfg: Mapping, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """Gemma 4: transformers makes the last layer full attention whatever the config says."""
+    if model_type(cfg).startswith("gemma4") and kinds and kinds[-1] != FULL:
+        return kinds[:-1] + (FULL,)
+    return kinds
+
+
 def layer_pattern(cfg: Mapping) -> tuple[str, ...]:
     """One canonical kind per decoder layer (see the module docstring)."""
+    return _force_last_full(cfg, _layer_pattern(cfg))
+
+
+def _layer_pattern(cfg: Mapping) -> tuple[str, ...]:
     for field in ("layer_types", "layers_block_type"):
         if cfg.get(field) is not None:
             return _from_layer_types(cfg, field)
+    if cfg.get("block_configs") is not None:
+        return _from_block_configs(cfg)
+    if model_type(cfg) in PURE_MAMBA_TYPES:
+        return (RECURRENT,) * num_layers(cfg)
     lac = cfg.get("linear_attn_config")
     if lac is not None:
         if not isinstance(lac, Mapping):
@@ -193,6 +265,8 @@ def layer_pattern(cfg: Mapping) -> tuple[str, ...]:
         return _from_linear_attn_config(cfg, lac)
     if cfg.get("hybrid_override_pattern") is not None:
         return _from_hybrid_pattern(cfg, cfg["hybrid_override_pattern"])
+    if cfg.get("hybrid_layer_pattern") is not None:
+        return _from_hybrid_layer_pattern(cfg)
     if cfg.get("attn_type_list") is not None:
         return _from_attn_type_list(cfg)
     if cfg.get("full_attention_interval") is not None:

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pagedkv.errors import ConfigError, UnsupportedArchitectureError
 from pagedkv.kvspec import DType, RecurrentState, StateTensor, parse_dtype
 from pagedkv.models.attention import head_dim, num_heads
-from pagedkv.models.fields import first, model_dtype, need_int
+from pagedkv.models.fields import first, model_dtype, model_type, need_int
 
 KDA, GDN, MAMBA2, MAMBA1, LIGHTNING = "kda", "gdn", "mamba2", "mamba1", "lightning"
 
@@ -48,8 +48,14 @@ _SIGNATURES = {
 }
 
 
+_PURE = {"mamba": MAMBA1, "falcon_mamba": MAMBA1, "mamba2": MAMBA2}
+
+
 def recurrent_family(cfg: Mapping) -> str:
-    """The one mixer family whose fields the config has (see the module table)."""
+    """The one mixer family whose fields the config has (see the module table); pure
+    Mamba models (``model_type`` mamba, falcon_mamba, mamba2) by their type."""
+    if model_type(cfg) in _PURE:
+        return _PURE[model_type(cfg)]
     found = [fam for fam, keys in _SIGNATURES.items() if any(cfg.get(k) is not None for k in keys)]
     if MAMBA2 in found and MAMBA1 in found:  # Bamba-style Mamba2 configs also use mamba_d_state
         found.remove(MAMBA1)
@@ -115,9 +121,12 @@ def _gdn(cfg: Mapping) -> RecurrentState:
 def mamba2_dims(cfg: Mapping) -> tuple[int, int, int, int, int]:
     """(heads, head_dim, state, groups, conv kernel) of a Mamba2 mixer."""
     why = "the Mamba2 state"
-    heads = need_int(cfg, "mamba_num_heads", "mamba_n_heads", why=why)
-    dim = need_int(cfg, "mamba_head_dim", "mamba_d_head", why=why)
-    state = need_int(cfg, "ssm_state_size", "mamba_d_state", why=why)
+    pure = model_type(cfg) == "mamba2"  # transformers' Mamba2Config spells them plainly
+    heads = need_int(cfg, "mamba_num_heads", "mamba_n_heads", *(("num_heads",) if pure else ()),
+                     why=why)
+    dim = need_int(cfg, "mamba_head_dim", "mamba_d_head", *(("head_dim",) if pure else ()),
+                   why=why)
+    state = need_int(cfg, "ssm_state_size", "mamba_d_state", "state_size", why=why)
     groups = need_int(cfg, "n_groups", "mamba_n_groups", why=why)
     kernel = need_int(cfg, "conv_kernel", "mamba_d_conv", why=why, minimum=2)
     return heads, dim, state, groups, kernel
@@ -139,10 +148,12 @@ def _mamba2(cfg: Mapping) -> RecurrentState:
 def mamba1_dims(cfg: Mapping) -> tuple[int, int, int]:
     """(inner channels, state, conv kernel) of a Mamba-1 mixer."""
     why = "the Mamba state"
+    state = need_int(cfg, "mamba_d_state", "state_size", why=why)
+    kernel = need_int(cfg, "mamba_d_conv", "conv_kernel", why=why, minimum=2)
+    if model_type(cfg) in _PURE and cfg.get("intermediate_size") is not None:
+        return need_int(cfg, "intermediate_size", why=why), state, kernel
     hidden = need_int(cfg, "hidden_size", why=why)
-    expand = need_int(cfg, "mamba_expand", why=why)
-    state = need_int(cfg, "mamba_d_state", why=why)
-    kernel = need_int(cfg, "mamba_d_conv", why=why, minimum=2)
+    expand = need_int(cfg, "mamba_expand", "expand", why=why)
     return expand * hidden, state, kernel
 
 
@@ -176,7 +187,7 @@ def recurrent_state(cfg: Mapping) -> RecurrentState:
 
 def mamba_dt_rank(cfg: Mapping, hidden: int) -> int:
     """Jamba's ``mamba_dt_rank`` ("auto" = ceil(hidden / 16))."""
-    value = first(cfg, "mamba_dt_rank")
+    value = first(cfg, "mamba_dt_rank", "time_step_rank")
     if value is None or value == "auto":
         return math.ceil(hidden / 16)
-    return need_int(cfg, "mamba_dt_rank", why="the Mamba dt projection")
+    return need_int(cfg, "mamba_dt_rank", "time_step_rank", why="the Mamba dt projection")

@@ -5,9 +5,12 @@ its low-rank projections and the V3.2 indexer, Mamba-1/2, GatedDeltaNet, KDA, li
 dense MLPs and MoE layers (routed experts, shared experts, router). Norms, biases and
 quantization scales are negligible and left out; vision towers of multimodal configs too.
 Bytes per parameter: the model dtype (``torch_dtype``; float32 runs as bf16), except for
-``quantization_config``: fp8 -> 1 byte for every linear layer (embeddings stay in the
-model dtype), mxfp4 -> 4.25 bits (0.53125 bytes) for routed experts, int-N schemes
-(gptq / awq / compressed-tensors ``num_bits``) -> N/8 bytes for linear layers.
+linear layers that ``quantization_config`` quantizes (:mod:`pagedkv.models.quantization`):
+fp8 (1 byte plus an fp32 scale per ``weight_block_size`` block), mxfp4 (4 bits plus a
+one-byte scale per 32), NVFP4 (4 bits plus an fp8 scale per 16), int-N GPTQ / AWQ /
+compressed-tensors (N bits plus a 16-bit scale and an N-bit zero point per group).
+Modules the config leaves unquantized (``modules_to_not_convert``, ``ignore``,
+``exclude_modules``) stay in the model dtype; embeddings always do.
 
 Structure no config field states is taken from the family: Llama 4 MoE layers have one
 shared expert of ``intermediate_size``; ``relu2`` MLPs (Nemotron-H) have two matrices,
@@ -20,12 +23,11 @@ target's embeddings (and DFlash/DSpark its LM head).
 from __future__ import annotations
 
 import math
-import warnings
 from collections import Counter
 from collections.abc import Mapping
 
-from pagedkv.errors import UnsupportedArchitectureError
-from pagedkv.models.attention import head_dim, is_mla, kv_heads, num_heads
+from pagedkv.errors import ConfigError, UnsupportedArchitectureError
+from pagedkv.models.attention import head_dim, is_mla, kv_heads, num_heads, value_head_dim
 from pagedkv.models.drafters import (
     DFLASH,
     DSPARK,
@@ -38,12 +40,12 @@ from pagedkv.models.drafters import (
 from pagedkv.models.fields import (
     first,
     int_list,
-    model_dtype,
     model_type,
     need_int,
     opt_int,
     text_config,
 )
+from pagedkv.models.overrides import layer_fields
 from pagedkv.models.pattern import (
     ATTENTION_KINDS,
     FULL,
@@ -52,6 +54,14 @@ from pagedkv.models.pattern import (
     NO_CACHE_KINDS,
     RECURRENT,
     layer_pattern,
+)
+from pagedkv.models.quantization import (
+    DENSE,
+    EMBEDDING,
+    EXPERTS,
+    MIXER,
+    OTHER,
+    bytes_per_parameter,
 )
 from pagedkv.models.recurrent import (
     GDN,
@@ -65,9 +75,6 @@ from pagedkv.models.recurrent import (
     recurrent_family,
 )
 
-# parts of the parameter count, which quantization treats differently
-EMBEDDING, MIXER, DENSE, EXPERTS, OTHER = "embedding", "mixer", "dense", "experts", "other"
-
 
 def _hidden(cfg: Mapping) -> int:
     return need_int(cfg, "hidden_size", why="the weight estimate")
@@ -77,8 +84,10 @@ def _attention_params(cfg: Mapping) -> int:
     h = _hidden(cfg)
     heads = num_heads(cfg)
     if not is_mla(cfg):
-        q, kv = heads * head_dim(cfg), kv_heads(cfg) * head_dim(cfg)
-        return h * q + 2 * h * kv + q * h
+        dim = head_dim(cfg)
+        v_dim = value_head_dim(cfg) or dim
+        q, k, v = heads * dim, kv_heads(cfg) * dim, kv_heads(cfg) * v_dim
+        return h * q + h * k + h * v + heads * v_dim * h
     why = "the MLA weight estimate"
     rank = need_int(cfg, "kv_lora_rank", why=why)
     rope = need_int(cfg, "qk_rope_head_dim", why=why, minimum=0)
@@ -150,6 +159,11 @@ def _is_moe_layer(cfg: Mapping, i: int) -> bool:
     moe_layers = int_list(cfg, "moe_layers")
     if moe_layers is not None:
         return i in moe_layers
+    freq = cfg.get("moe_layer_freq")
+    if isinstance(freq, list):  # MiMo-V2 / MiniMax-M3: one 0/1 flag per layer
+        if i >= len(freq) or freq[i] not in (0, 1):
+            raise ConfigError(f"moe_layer_freq must hold one 0/1 flag per layer, got {freq!r}")
+        return bool(freq[i])
     if first(cfg, "first_k_dense_replace", "moe_layer_freq") is not None:
         k = opt_int(cfg, "first_k_dense_replace", default=0) or 0
         freq = opt_int(cfg, "moe_layer_freq", default=1, minimum=1) or 1
@@ -167,6 +181,9 @@ def _is_moe_layer(cfg: Mapping, i: int) -> bool:
 
 
 def _dense_params(cfg: Mapping) -> int:
+    if cfg.get("block_configs") is not None and cfg.get("intermediate_size") == 0:
+        h = _hidden(cfg)  # Nemotron NAS: a no-op FFN, or a single linear in its place
+        return h * h if cfg.get("_ffn_linear") else 0
     size = need_int(cfg, "intermediate_size_mlp", "intermediate_size", why="dense MLP weights")
     return _mlp_matrices(cfg) * _hidden(cfg) * size
 
@@ -221,13 +238,10 @@ def _embedding_params(cfg: Mapping, head: bool = True) -> int:
 def _decoder_params(cfg: Mapping) -> Counter:
     pattern = layer_pattern(cfg)
     sublayers = any(kind in NO_CACHE_KINDS for kind in pattern)
-    shapes = Counter(
-        (kind, _mlp_kind(cfg, kind, i, sublayers)) for i, kind in enumerate(pattern)
-    )
     out = Counter()
-    for (kind, mlp), count in shapes.items():  # every layer of one shape has one count
-        for part, n in _layer_params(cfg, kind, mlp).items():
-            out[part] += n * count
+    for i, kind in enumerate(pattern):
+        fields = layer_fields(cfg, i, kind)  # per-layer heads, dims, MLP widths
+        out.update(_layer_params(fields, kind, _mlp_kind(cfg, kind, i, sublayers)))
     return out
 
 
@@ -271,45 +285,8 @@ def mtp_parameter_counts(config: Mapping) -> Counter:
     return out
 
 
-def _bytes_per_param(cfg: Mapping) -> dict[str, float]:
-    base = float(model_dtype(cfg).itemsize)
-    table = dict.fromkeys((EMBEDDING, MIXER, DENSE, EXPERTS, OTHER), base)
-    quant = cfg.get("quantization_config")
-    if not isinstance(quant, Mapping):
-        return table
-    method = str(quant.get("quant_method", "")).lower()
-    if method in ("fp8", "fbgemm_fp8", "fine_grained_fp8"):
-        table.update({MIXER: 1.0, DENSE: 1.0, EXPERTS: 1.0})
-    elif method == "mxfp4":
-        table[EXPERTS] = 4.25 / 8
-    elif (bits := _int_bits(quant)) is not None:
-        table.update({MIXER: bits / 8, DENSE: bits / 8, EXPERTS: bits / 8})
-    else:
-        warnings.warn(
-            f"quantization method {method!r} is unknown to the weight estimate; counting "
-            f"weights at {base:g} bytes per parameter",
-            stacklevel=3,
-        )
-    return table
-
-
-def _int_bits(quant: Mapping) -> int | None:
-    bits = quant.get("bits")
-    if isinstance(bits, int):
-        return bits
-    groups = quant.get("config_groups")
-    if isinstance(groups, Mapping):  # compressed-tensors: the narrowest weight scheme
-        found = [
-            g["weights"]["num_bits"] for g in groups.values()
-            if isinstance(g, Mapping) and isinstance(g.get("weights"), Mapping)
-            and isinstance(g["weights"].get("num_bits"), int)
-        ]
-        return min(found) if found else None
-    return None
-
-
 def _to_bytes(cfg: Mapping, counts: Counter) -> int:
-    per = _bytes_per_param(cfg)
+    per = bytes_per_parameter(cfg)
     return math.ceil(sum(n * per[part] for part, n in counts.items()))
 
 

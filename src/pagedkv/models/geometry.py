@@ -1,0 +1,126 @@
+"""Fields that change cache geometry: refuse the ones pagedkv does not model, and name
+unknown keys that look like geometry so a user can see what was not read.
+
+A wrong plan with exit status 0 is the worst answer this tool can give, so a field known
+to change what a layer caches is never silently skipped: either a reader models it, or
+:func:`refuse_unmodelled` raises naming it. Keys nobody reviewed that *look* like
+geometry (``attention``, ``kv``, ``head``, ``window``, ``layer``, ``sparse``,
+``compress``...) are returned by :func:`unread_geometry_keys` for a warning.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from pagedkv.errors import UnsupportedArchitectureError
+from pagedkv.models.fields import model_type
+
+# field -> what it is; a config with a non-empty value is refused
+_UNMODELLED = {
+    "compress_ratios": "DeepSeek-V4 compressed attention",
+    "compress_rates": "DeepSeek-V4 compressed attention",
+    "cross_attention_layers": "cross-attention layers (encoder K/V per request)",
+    "kv_shared_layer_index": "layers reading another layer's K/V",
+}
+
+_GEOMETRY_WORDS = re.compile(
+    r"attn|attention|kv|key|value|head|window|layer|sparse|compress|chunk|lora_rank|"
+    r"mamba|ssm|conv|state|linear|index|sink|block|nope|rope_layer|global|local|swa|"
+    r"mla|latent|shared"
+)
+
+# Keys pagedkv reads, or reviewed and known not to change cache geometry, for every family.
+_KNOWN = frozenset("""
+num_hidden_layers num_attention_heads num_key_value_heads head_dim attention_head_dim v_head_dim
+kv_lora_rank qk_rope_head_dim qk_nope_head_dim q_lora_rank index_head_dim index_n_heads
+index_topk sliding_window sliding_window_pattern sliding_window_size use_sliding_window
+max_window_layers layer_types layers_block_type attention_chunk_size no_rope_layers
+no_rope_layer_interval linear_attn_config hybrid_override_pattern hybrid_layer_pattern
+attn_type_list full_attention_interval attn_layer_period attn_layer_offset block_configs
+per_layer_config global_head_dim num_global_key_value_heads attention_k_eq_v
+num_kv_shared_layers swa_num_attention_heads swa_num_key_value_heads swa_head_dim
+swa_v_head_dim add_swa_attention_sink_bias add_full_attention_sink_bias
+attn_logit_softcapping query_pre_attn_scalar linear_num_value_heads linear_num_key_heads
+linear_key_head_dim linear_value_head_dim linear_conv_kernel_dim mamba_num_heads mamba_n_heads
+mamba_head_dim mamba_d_head ssm_state_size mamba_d_state n_groups mamba_n_groups conv_kernel
+mamba_d_conv mamba_expand mamba_dt_rank mamba_ssm_cache_dtype state_size expand num_heads
+linear_attn_alpha_factor layernorm_linear_attention_alpha num_nextn_predict_layers
+mtp_num_hidden_layers mla_use_nope mla_use_output_gate use_bidirectional_attention
+sparse_attention_config
+attention_bias attention_dropout attention_value_scale attention_output_gate attention_multiplier
+attention_scale attn_scale attn_temperature_tuning attention_in_multimodal_projection
+head_dim_scale qk_norm_type use_qk_norm qk_layernorm use_qkv_bias qkv_bias
+rope_theta rope_scaling rope_parameters partial_rotary_factor rotary_dim rotary_pct
+rope_interleave swa_rope_theta compress_rope_theta
+first_k_dense_replace moe_layer_freq moe_layers mlp_layer_types mlp_only_layers
+decoder_sparse_step interleave_moe_layer_step expert_layer_period expert_layer_offset
+n_shared_experts num_shared_experts shared_expert_intermediate_size
+moe_shared_expert_intermediate_size shared_intermediate_size share_expert_dim
+moe_shared_expert_overlap shared_expert_gate norm_topk_prob
+num_experts_per_tok num_experts_per_token moe_latent_size routed_expert_hidden_size
+hidden_size_per_layer_input vocab_size_per_layer_input layer_norm_eps layernorm_epsilon
+layer_norm_epsilon norm_eps rms_norm_eps use_gemma_norm latent_moe_use_norm mixer_rms_eps
+residual_in_fp32 num_logits_to_keep tie_word_embeddings use_cache
+use_mamba_kernels use_mambapy use_conv_bias mamba_conv_bias mamba_proj_bias mamba_chunk_size
+chunk_size time_step_limit time_step_min time_step_max time_step_floor time_step_rank
+time_step_scale time_step_init_scheme mamba_hidden_act ssm_cfg chunk_size_feed_forward
+rescale_prenorm_residual mamba_dt_min mamba_dt_max mamba_dt_init_floor mamba_dt_limit
+linear_attn_gate linear_conv_bias
+num_hash_layers hc_mult hc_eps hc_sinkhorn_iters o_groups o_lora_rank
+attn_res_block_size mtp_layers_block_type mtp_layer_types mtp_mlp_layer_types
+num_sliding_attention_heads num_mtp_modules layer_scale_init_value
+vision_soft_tokens_per_image mm_tokens_per_image boi_token_index eoi_token_index
+image_token_index
+""".split())
+
+# Sub-objects whose keys are reviewed as a whole (quantization, vision towers, tokens...).
+_OPAQUE = frozenset((
+    "quantization_config", "vision_config", "audio_config", "rope_scaling", "rope_parameters",
+    "auto_map", "id2label", "label2id", "task_specific_params", "text_config",
+    "transformer_layer_config", "dflash_config", "eagle_config", "linear_attn_config",
+    "sparse_attention_config", "block_configs", "per_layer_config",
+))
+
+
+def _enabled(value: object) -> bool:
+    return value not in (None, False, 0, [], {}, "")
+
+
+def refuse_unmodelled(cfg: Mapping) -> None:
+    """Raise naming the first field that changes cache geometry in a way pagedkv does not
+    model (DeepSeek-V4 compression, MiniMax-M3 sparse attention, bidirectional Gemma...)."""
+    for field, what in _UNMODELLED.items():
+        if _enabled(cfg.get(field)):
+            raise UnsupportedArchitectureError(
+                f"config field {field!r} ({what}) changes what layers cache and pagedkv does "
+                "not model it; refusing rather than planning it as plain attention"
+            )
+    sparse = cfg.get("sparse_attention_config")
+    if isinstance(sparse, Mapping) and sparse.get("use_sparse_attention", True):
+        raise UnsupportedArchitectureError(
+            "config field 'sparse_attention_config' (MiniMax-M3 sparse attention: an "
+            "index-key cache beside K/V) is not modelled by pagedkv; refusing rather than "
+            "planning it as plain attention"
+        )
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise UnsupportedArchitectureError(
+            "config field 'use_bidirectional_attention' is 'all' (an encoder: no causal KV "
+            "cache, and transformers halves the window); pagedkv plans decoder caches only"
+        )
+    if model_type(cfg) == "deepseek_v4":
+        raise UnsupportedArchitectureError(
+            "model_type 'deepseek_v4' (compressed attention: a sliding window plus compressed "
+            "K/V streams per layer) is not modelled by pagedkv"
+        )
+
+
+def unread_geometry_keys(cfg: Mapping) -> list[str]:
+    """Top-level keys that look like cache geometry but that pagedkv neither reads nor has
+    reviewed as harmless, sorted (for a warning; the plan still runs)."""
+    return sorted(
+        key for key in cfg
+        if isinstance(key, str) and key not in _KNOWN and key not in _OPAQUE
+        and not key.startswith("_") and not key.endswith("_token_id")
+        and _GEOMETRY_WORDS.search(key)
+    )
