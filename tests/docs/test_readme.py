@@ -43,11 +43,15 @@ def test_readme_kimi_k3_figures_are_what_the_planner_says(cli):
     text = " ".join(README.read_text().split())
     main = _fenced_after(README.read_text(), "<!-- main-command -->").split(" && ", 1)[1]
     argv = main.split()[1:]
+    pp = int(argv[argv.index("--pp") + 1])
     # at --tp 8 alone the weights do not fit: exit 2 naming the per-GPU weight figure
     per_gpu = int(re.search(r"at tensor parallel 8 each GPU would need (\d+) GiB", text)[1])
-    tp8 = [a for a in argv if a not in ("--pp", "4")]
-    refused = cli(*tp8)
-    assert refused.code == 2 and f"{per_gpu}." in refused.err and "weights per rank" in refused.err
+    refused = cli(*argv[:argv.index("--pp")], *argv[argv.index("--pp") + 2:])
+    assert refused.code == 2, refused.err
+    exact = float(re.search(r"cannot hold ([\d.]+) GiB of weights per rank", refused.err)[1])
+    assert int(exact) == per_gpu
+    total = re.search(r"holds about ([\d.]+) TiB of weights", text)[1]
+    assert abs(exact * 8 / 1024 - float(total)) < 0.05
     # the main command: weights per GPU, KV budget per GPU, requests of 131072 tokens
     m = re.search(r"each GPU holds (\d+) GiB of weights and keeps (\d+) GiB for the KV cache: "
                   r"about (\d+) requests of 131072 tokens", text)
@@ -55,6 +59,4 @@ def test_readme_kimi_k3_figures_are_what_the_planner_says(cli):
     plan = json.loads(cli(*argv, "--json").out)
     assert round(plan["budget_bytes"] / GiB) == kv
     assert int(plan["capacity"]["max_concurrency"]) == requests
-    assert round(per_gpu / 4) == weights  # four pipeline stages split the same weights
-    total = re.search(r"holds about ([\d.]+) TiB of weights", text)[1]
-    assert abs(per_gpu * 8 / 1024 - float(total)) < 0.05
+    assert round(exact / pp) == weights  # the pipeline stages split the same weights
