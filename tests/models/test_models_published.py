@@ -115,6 +115,8 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     ],
     # text_config: 36 layers x 8 KV heads x 128 (the vision tower keeps no KV cache)
     "Qwen--Qwen3-VL-8B-Instruct.json": [("full", None, 36, 36 * gqa(8, 128))],
+    # qwen3_vl_moe text_config: 48 layers x 4 KV heads x 128 x 2 x 2 B = 2048 B/token/layer
+    "Qwen--Qwen3-VL-30B-A3B-Instruct.json": [("full", None, 48, 48 * gqa(4, 128))],
     # --- Gemma 4 ------------------------------------------------------------------------------
     # text_config.layer_types: 25 sliding (1024) + 5 full (every 6th). Sliding: 8 KV heads x 256
     # x 2 x 2 B = 8192. Full: global_head_dim 512 x num_global_key_value_heads 2 (attention_k_eq_v
@@ -170,6 +172,14 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     "nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.json": [
         ("full", None, 6, 6 * gqa(2, 128)),
         ("recurrent", None, 23, 23 * mamba2(64, 64, 128, 8, 4, BF16, FP32)),
+    ],
+    # 88 layers: 8 '*' attention (2 KV heads x 128 = 1024 B), 40 'M' Mamba2, 40 'E' (MoE); the
+    # MTP pattern ("*E") is a drafter, not planned here. Mamba2: 128 heads x 64, state 128,
+    # 8 groups, kernel 4, mamba_ssm_cache_dtype float32: conv 3 x (8192 + 2 x 8 x 128 = 10240)
+    # x 2 B = 61440 + ssm 128 x 64 x 128 x 4 B = 4194304. (time_step_limit holds Infinity.)
+    "nvidia--NVIDIA-Nemotron-3-Super-120B-A12B-FP8.json": [
+        ("full", None, 8, 8 * gqa(2, 128)),
+        ("recurrent", None, 40, 40 * mamba2(128, 64, 128, 8, 4, BF16, FP32)),
     ],
     # --- MiniMax / MiMo / Step -----------------------------------------------------------------
     # 62 layers, no attn_type_list (all softmax attention): 8 KV heads x 128
