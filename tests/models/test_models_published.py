@@ -211,6 +211,48 @@ REFUSED = {
     "MiniMaxAI--MiniMax-M3.json": "sparse_attention_config",
 }
 
+# (file, drafter) -> groups as (retention kind, position offset, layers, bytes per token or per
+# request). A drafter layer whose KV at position i comes from token i + 1 (MTP, EAGLE) has offset 1
+# and so its own block table.
+DRAFTED: dict[tuple[str, str], list[tuple[str, int, int, int]]] = {
+    # num_nextn_predict_layers 1: one more MLA layer (576 values)
+    ("deepseek-ai--DeepSeek-V3.json", "mtp"): [
+        ("full", 0, 61, 61 * MLA), ("full", 1, 1, MLA),
+    ],
+    # the MTP layer is a DSA layer like the others: its MLA latent and its indexer key
+    ("zai-org--GLM-5.json", "mtp"): [
+        ("full", 0, 156, 78 * MLA + 78 * INDEXER), ("full", 1, 2, MLA + INDEXER),
+    ],
+    # mtp_num_hidden_layers 1: one full-attention layer of 4 KV heads x 256
+    ("Qwen--Qwen3.5-27B.json", "mtp"): [
+        ("full", 0, 16, 16 * gqa(4, 256)),
+        ("recurrent", 0, 48, 48 * gdn(16, 128, 48, 128, 4)),
+        ("full", 1, 1, gqa(4, 256)),
+    ],
+    # num_nextn_predict_layers 1: one layer of 8 KV heads x 128
+    ("XiaomiMiMo--MiMo-7B-Base.json", "mtp"): [
+        ("full", 0, 36, 36 * gqa(8, 128)), ("full", 1, 1, gqa(8, 128)),
+    ],
+    # mtp_hybrid_override_pattern "*E": one attention layer (2 KV heads x 128) and an MoE
+    ("nvidia--NVIDIA-Nemotron-3-Super-120B-A12B-FP8.json", "mtp"): [
+        ("full", 0, 8, 8 * gqa(2, 128)),
+        ("recurrent", 0, 40, 40 * mamba2(128, 64, 128, 8, 4, BF16, FP32)),
+        ("full", 1, 1, gqa(2, 128)),
+    ],
+    # the catalog's EAGLE-3 drafter for Llama 3.1 8B: one layer of 8 KV heads x 128, offset 1
+    ("meta-llama--Meta-Llama-3.1-8B.json", "llama-3-8b-eagle3"): [
+        ("full", 0, 32, 32 * gqa(8, 128)), ("full", 1, 1, gqa(8, 128)),
+    ],
+}
+
+# (file, drafter) -> the field the refusal must name
+DRAFT_REFUSED = {
+    # num_nextn_predict_layers 0: Kimi-K2 has no MTP layers to draft with
+    ("moonshotai--Kimi-K2-Instruct.json", "mtp"): "num_nextn_predict_layers",
+    # EAGLE-3 for Llama shares the target's embeddings: vocab_size 128256 vs Qwen3's 151936
+    ("Qwen--Qwen3-8B.json", "llama-3-8b-eagle3"): "vocab_size",
+}
+
 CLI_ARGS = ("--memory", "40GiB", "--max-model-len", "131072")
 
 
@@ -269,3 +311,22 @@ def test_published_config_is_refused_by_name(cli, name):
     assert len(lines) == 1 and lines[0].startswith("pagedkv: error:"), result.err
     assert REFUSED[name] in lines[0]
     assert result.out == ""
+
+
+@pytest.mark.parametrize("name, draft", sorted(DRAFTED), ids=lambda x: str(x))
+def test_published_target_with_its_drafter(name, draft):
+    spec = load_model(str(FIXTURES / name), draft)
+    plan = make_plan(spec.layers, PlanOptions(budget_bytes=40 * GiB, max_model_len=8192))
+    got = sorted((g.retention.kind, g.position_offset, len(g.layers),
+                  g.bytes_per_request if g.is_recurrent else g.bytes_per_token)
+                 for g in plan.groups)
+    assert got == sorted(DRAFTED[(name, draft)])
+
+
+@pytest.mark.parametrize("name, draft", sorted(DRAFT_REFUSED), ids=lambda x: str(x))
+def test_published_target_refuses_a_foreign_drafter(cli, name, draft):
+    result = cli("plan", FIXTURES / name, "--draft", draft, *CLI_ARGS)
+    assert result.code == 2
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedkv: error:"), result.err
+    assert DRAFT_REFUSED[(name, draft)] in lines[0]
