@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -203,3 +204,106 @@ def test_console_script_runs_without_torch_under_O():
     proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["num_blocks"] > 0
+
+
+# --- published configs: refusals, warnings, only what the question needs ------------------
+
+SMALL = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+         "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+NAS_WINDOW = {"attention": {"n_heads_in_group": 2, "no_op": False, "window_length": 512},
+              "ffn": {"ffn_mult": 2.0}}
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"compress_ratios": [0, 4]}, "compress_ratios"),
+        ({"model_type": "deepseek_v4"}, "deepseek_v4"),
+        ({"sparse_attention_config": {"use_sparse_attention": True}}, "sparse_attention_config"),
+        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+        ({"cross_attention_layers": [1]}, "cross_attention_layers"),
+        ({"block_configs": [NAS_WINDOW, NAS_WINDOW]}, "window_length"),
+        ({"quantization_config": {"quant_method": "compressed-tensors",
+                                  "kv_cache_scheme": {"num_bits": 8, "type": "int"}}},
+         "kv_cache_scheme"),
+        ({"hybrid_layer_pattern": [0, 2]}, "hybrid_layer_pattern"),
+        ({"model_type": "llama4_text", "attention_chunk_size": 64, "no_rope_layers": [1]},
+         "no_rope_layers"),
+    ],
+)
+def test_unmodelled_geometry_is_refused_in_one_line(tmp_path, cli, extra, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(SMALL, **extra)))
+    code, out, err = cli("plan", str(path), "--memory", "1GiB")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedkv: error:"), err
+    assert needle in lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["llama-3-8b", "--draft", "kimi-k3-dspark"], ["89", "32 layers"]),
+        (["qwen3-8b", "--draft", "llama-3-8b-eagle3"], ["128256", "151936"]),
+    ],
+)
+def test_drafter_that_cannot_belong_to_its_target_exits_2(cli, argv, needles):
+    code, out, err = cli("plan", *argv, "--memory", "40GiB")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedkv: error:"), err
+    assert all(n in lines[0] for n in needles)
+
+
+def test_unknown_geometry_looking_keys_warn_and_the_plan_still_runs(tmp_path, cli):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(SMALL, kv_group_stride=2, rope_theta=1e6)))
+    code, out, err = cli("plan", str(path), "--memory", "1GiB", "--json")
+    assert code == 0
+    assert json.loads(out)["groups"]
+    (line,) = err.strip().splitlines()
+    assert line.startswith("pagedkv: warning:") and "kv_group_stride" in line
+    assert "rope_theta" not in line
+
+
+def test_catalog_models_do_not_warn(cli):
+    for name in catalog_names():
+        if name.endswith(("-dspark", "-eagle3", "-dflash")):
+            continue
+        code, _, err = cli("plan", name, "--memory", "100GiB", "--max-model-len", "4096")
+        assert code == 0 and err == "", (name, err)
+
+
+def test_weight_fields_are_needed_only_for_a_gpu_budget(tmp_path, cli):
+    config = {k: v for k, v in SMALL.items() if k != "vocab_size"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert plan_json(cli, str(path), "--memory", "1GiB")["groups"]
+    code, _, err = cli("plan", str(path), "--gpu", "h200")
+    assert code == 2 and "vocab_size" in err and len(err.strip().splitlines()) == 1
+    assert plan_json(cli, str(path), "--gpu", "h200", "--weights", "1GiB")["groups"]
+
+
+def test_max_position_embeddings_is_needed_only_without_max_model_len(tmp_path, cli):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in SMALL.items()
+                                if k != "max_position_embeddings"}))
+    doc = plan_json(cli, str(path), "--memory", "1GiB", "--max-model-len", "2048")
+    assert doc["capacity"]["max_model_len"] == 2048
+    code, _, err = cli("plan", str(path), "--memory", "1GiB")
+    assert code == 2 and "max_position_embeddings" in err and "--max-model-len" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_via_transformers_gives_the_same_plan(cli):
+    pytest.importorskip("transformers")
+    path = Path(__file__).parents[1] / "models" / "fixtures" / "published"
+    gemma = path / "google--gemma-4-26B-A4B.json"
+    args = ("--memory", "40GiB", "--max-model-len", "8192")
+    own = plan_json(cli, str(gemma), *args)
+    via = plan_json(cli, str(gemma), *args, "--via-transformers")
+    assert own["groups"] == via["groups"]
+    code, _, err = cli("plan", "kimi-k3", "--via-transformers", *args)
+    assert code == 2 and "kimi_k3" in err and len(err.strip().splitlines()) == 1

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, IncompatibleDrafterError
 from pagedkv.kvspec import AttentionKV, DType, Full, MLALatent, block_table_compatibility
 from pagedkv.models import drafter_role, layers_from_config, load_config, load_model, mtp_layers
+from pagedkv.models.compat import drafter_mismatch
 
 SMALL = {
     "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
@@ -124,3 +125,37 @@ def test_mtp_of_a_gqa_target_and_fp8_ds_mla():
     assert layer.layout == AttentionKV(2, 64, DType.BF16) and layer.position_offset == 1
     with pytest.raises(ConfigError, match=r"draft\.layers\.0\.\.0\.self_attn"):
         mtp_layers(config, kv_dtype="fp8_ds_mla")
+
+
+# --- drafter-target compatibility ---------------------------------------------------------
+
+def test_drafter_layer_ids_beyond_the_target_are_refused_naming_both():
+    with pytest.raises(IncompatibleDrafterError, match=r"89.*32 layers"):
+        load_model("llama-3-8b", "kimi-k3-dspark")
+
+
+def test_drafter_of_another_vocabulary_is_refused_naming_both():
+    with pytest.raises(IncompatibleDrafterError, match=r"128256.*151936"):
+        load_model("qwen3-8b", "llama-3-8b-eagle3")
+
+
+def test_drafter_reading_hidden_states_of_another_size_is_refused():
+    eagle = dict(SMALL, draft_vocab_size=100, num_hidden_layers=1)
+    target = dict(SMALL, hidden_size=1024, head_dim=128)
+    with pytest.raises(IncompatibleDrafterError, match=r"size 512.*hidden_size is 1024"):
+        load_model(target, eagle)
+    assert drafter_mismatch(SMALL, eagle) is None
+
+
+def test_mla_drafter_sharing_the_block_table_needs_the_same_latent():
+    target = load_config("kimi-k3")
+    draft = load_config("kimi-k3-dspark")
+    inner = draft.get("transformer_layer_config") or draft.get("text_config")
+    (inner if inner is not None else draft)["kv_lora_rank"] = 256
+    assert "kv_lora_rank 256" in drafter_mismatch(target, draft)
+    assert "512" in drafter_mismatch(target, draft)
+    assert drafter_mismatch(target, load_config("kimi-k3-dspark")) is None
+
+
+def test_plain_model_drafts_are_not_checked_for_hidden_size_or_vocabulary():
+    assert drafter_mismatch(load_config("qwen3-8b"), load_config("llama-3-8b")) is None

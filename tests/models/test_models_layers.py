@@ -108,8 +108,11 @@ def test_softcap_scale_and_sinks():
     gemma = load_config("gemma-2-9b")
     attention = layers_from_config(gemma)[0].attention
     assert attention.soft_cap == 50.0
-    assert attention.scale == pytest.approx(256 ** -0.5)
+    # query_pre_attn_scalar 256 == head_dim 256: the default scale, left as None
+    assert attention.scale is None
     assert not attention.sinks
+    gemma3 = layers_from_config(load_config("gemma-3-27b"))[0].attention
+    assert gemma3.scale == pytest.approx(168 ** -0.5)  # scalar 168, head_dim 128
     assert all(layer.attention.sinks for layer in layers_from_config(load_config("gpt-oss-20b")))
 
 

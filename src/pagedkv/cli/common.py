@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pagedkv.errors import InvalidArgumentError
 
@@ -36,6 +37,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size the pools for the most requests of N tokens at once, "
                         "keeping room for one of --max-model-len (default: size them for "
                         "requests of --max-model-len)")
+    parser.add_argument("--via-transformers", action="store_true",
+                        help="fill the config's defaults with transformers' own config class "
+                        "before reading it (needs transformers; a cross-check)")
     parser.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallel")
     parser.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline parallel")
 
@@ -80,6 +84,23 @@ def budget_bytes(args: argparse.Namespace, estimated_weight_bytes) -> int:
     return budget_from_gpu(args.gpu, args.utilization, -(-weights // ranks))
 
 
+def warn_unread_keys(args: argparse.Namespace) -> None:
+    """One stderr line per config naming keys that look like cache geometry but that
+    pagedkv does not read; the plan still runs and the exit status is unchanged."""
+    from pagedkv.models import load_config
+    from pagedkv.models.fields import text_config
+    from pagedkv.models.geometry import unread_geometry_keys
+
+    sources = [("MODEL", args.model)]
+    if args.draft is not None and args.draft.strip().lower() != "mtp":
+        sources.append(("--draft", args.draft))
+    for label, source in sources:
+        keys = unread_geometry_keys(text_config(load_config(source)))
+        if keys:
+            print(f"pagedkv: warning: {label} config has keys that look like cache geometry "
+                  f"but are not read: {', '.join(keys)}", file=sys.stderr)
+
+
 def plan_from_args(args: argparse.Namespace):
     """Load MODEL (+ --draft) and plan it with the budget and options the arguments give.
 
@@ -88,7 +109,9 @@ def plan_from_args(args: argparse.Namespace):
     from pagedkv.models import load_model
     from pagedkv.plan import PlanOptions, make_plan
 
-    spec = load_model(args.model, args.draft, kv_dtype=args.kv_dtype)
+    spec = load_model(args.model, args.draft, kv_dtype=args.kv_dtype,
+                      via_transformers=args.via_transformers)
+    warn_unread_keys(args)
     options = PlanOptions(
         budget_bytes=budget_bytes(args, spec.need_weight_bytes),
         max_model_len=args.max_model_len or spec.need_max_position_embeddings(),

@@ -139,6 +139,16 @@ def indexer_layout(cfg: Mapping) -> IndexerKV | None:
     return IndexerKV(need_int(cfg, "index_head_dim", why="the indexer cache"))
 
 
+def _scale(cfg: Mapping, scalar: object) -> float | None:
+    """Softmax scale from ``query_pre_attn_scalar``; None when it is the default
+    1/sqrt(head_dim) (transformers fills scalar = head_dim for some families)."""
+    if not scalar:
+        return None
+    if not is_mla(cfg) and scalar == head_dim(cfg):
+        return None
+    return float(scalar) ** -0.5
+
+
 def retention_and_mask(cfg: Mapping, kind: str) -> tuple[Retention, Attention]:
     """Retention and mask of an attention layer of canonical ``kind``."""
     soft_cap = cfg.get("attn_logit_softcapping")
@@ -149,7 +159,7 @@ def retention_and_mask(cfg: Mapping, kind: str) -> tuple[Retention, Attention]:
     common = {
         "sinks": sinks,
         "soft_cap": float(soft_cap) if soft_cap else None,
-        "scale": float(scalar) ** -0.5 if scalar else None,
+        "scale": _scale(cfg, scalar),
     }
     if kind == FULL:
         return Full(), Attention(**common)

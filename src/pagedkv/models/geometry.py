@@ -22,6 +22,8 @@ _UNMODELLED = {
     "compress_rates": "DeepSeek-V4 compressed attention",
     "cross_attention_layers": "cross-attention layers (encoder K/V per request)",
     "kv_shared_layer_index": "layers reading another layer's K/V",
+    "add_cross_attention": "cross-attention to an encoder",
+    "pruned_heads": "pruned attention heads (fewer K/V heads in some layers)",
 }
 
 _GEOMETRY_WORDS = re.compile(
@@ -71,7 +73,13 @@ num_hash_layers hc_mult hc_eps hc_sinkhorn_iters o_groups o_lora_rank
 attn_res_block_size mtp_layers_block_type mtp_layer_types mtp_mlp_layer_types
 num_sliding_attention_heads num_mtp_modules layer_scale_init_value
 vision_soft_tokens_per_image mm_tokens_per_image boi_token_index eoi_token_index
-image_token_index
+image_token_index eoa_token_index ignore_index num_local_experts attn_output_gate
+enable_moe_block mtp_transformer_layers cross_attention_hidden_size output_attentions
+output_hidden_states remove_invalid_values use_unified_vision_chunk indexer_rope_interleave
+qk_head_dim layernorm_full_attention_alpha activation_situ_linear_beta mamba_ssm_dtype
+block_size num_target_layers target_layer_ids aux_hidden_state_layer_ids
+eagle_aux_hidden_state_layer_ids target_hidden_size draft_vocab_size add_cross_attention
+pruned_heads
 """.split())
 
 # Sub-objects whose keys are reviewed as a whole (quantization, vision towers, tokens...).

@@ -71,7 +71,17 @@ def _try(missing: dict, key: str, compute):
         return None
 
 
-def load_model(target: Source, draft: Source | None = None, *, kv_dtype: str = "auto") -> ModelSpec:
+def _load(source: Source, via_transformers: bool) -> dict:
+    config = load_config(source)
+    if via_transformers:
+        from pagedkv.models.via_transformers import normalize_config
+
+        config = normalize_config(config)
+    return config
+
+
+def load_model(target: Source, draft: Source | None = None, *, kv_dtype: str = "auto",
+               via_transformers: bool = False) -> ModelSpec:
     """Read a target (catalog name, config path, checkpoint folder or dict) and an optional
     drafter: another such source, or ``"mtp"`` for the target's own MTP layers.
 
@@ -79,9 +89,11 @@ def load_model(target: Source, draft: Source | None = None, *, kv_dtype: str = "
     dtype, as engines run a drafter in the target's dtype. Layer geometry must be readable;
     the weight estimate and ``max_position_embeddings`` may be missing (None, see
     :meth:`ModelSpec.need_weight_bytes`). A drafter that cannot belong to the target raises
-    :class:`~pagedkv.errors.IncompatibleDrafterError`.
+    :class:`~pagedkv.errors.IncompatibleDrafterError`. ``via_transformers`` first
+    normalizes each config through transformers' own config class
+    (:mod:`pagedkv.models.via_transformers`; needs transformers).
     """
-    config = load_config(target)
+    config = _load(target, via_transformers)
     text = text_config(config)
     role = drafter_role(text)
     if role.kind != MODEL:
@@ -104,7 +116,7 @@ def load_model(target: Source, draft: Source | None = None, *, kv_dtype: str = "
         parts.append(_try(missing, "weights", lambda: mtp_weight_bytes(config)))
         draft_name = MTP
     elif draft is not None:
-        draft_config = load_config(draft)
+        draft_config = _load(draft, via_transformers)
         draft_name = source_name(draft, draft_config)
         check_drafter(config, draft_config, source_name(target, config), draft_name)
         layers += layers_from_config(draft_config, model=DRAFT, kv_dtype=fmt)

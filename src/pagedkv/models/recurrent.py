@@ -22,8 +22,9 @@ lightning  ``attn_type_list`` / ``linear_attn_alpha_factor`` /     kv [H, D, D]
 
 Dtypes, as engines keep them: KDA, GatedDeltaNet and lightning states are fp32 (every
 tensor); Mamba-1/2 conv states are in the model dtype and their SSM state in the model
-dtype too. A config's ``mamba_ssm_cache_dtype`` (not "auto") overrides the dtype of the
-recurrent/SSM tensor of any family. ``shard_dim`` marks the head/channel dimension that
+dtype too. A config's ``mamba_ssm_cache_dtype`` (Qwen3.5: ``mamba_ssm_dtype``; not "auto")
+overrides the dtype of the recurrent/SSM tensor of any family (Nemotron-H's config class
+defaults it to float32). ``shard_dim`` marks the head/channel dimension that
 tensor parallelism splits.
 """
 
@@ -74,7 +75,7 @@ def recurrent_family(cfg: Mapping) -> str:
 
 
 def _ssm_dtype(cfg: Mapping, default: DType) -> DType:
-    name = cfg.get("mamba_ssm_cache_dtype")
+    name = first(cfg, "mamba_ssm_cache_dtype", "mamba_ssm_dtype")  # Qwen3.5 spells it so
     if name is None or name == "auto":
         return default
     if not isinstance(name, str):
