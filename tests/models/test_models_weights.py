@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -98,3 +99,21 @@ def test_dense_parameter_count_matches_a_reference_formula(
     reference += vocab * hidden * (1 if tied else 2)
     assert estimate_parameters(config) == reference
     assert estimate_weight_bytes(config) == 2 * reference
+
+
+# Published totals of real configs (from their names / model cards), text model only.
+PUBLISHED_FILES = {
+    "nvidia--NVIDIA-Nemotron-3-Super-120B-A12B-FP8.json": 120e9,  # latent MoE (moe_latent_size)
+    "nvidia--Llama-3_3-Nemotron-Super-49B-v1.json": 49.9e9,  # NAS blocks, per-block ffn_mult
+    "meta-llama--Llama-4-Maverick-17B-128E-Instruct.json": 400e9,
+    "XiaomiMiMo--MiMo-V2-Flash.json": 309e9,  # per-layer MoE flags, K 192 / V 128
+    "zai-org--GLM-5.json": 744e9,
+    "mistralai--Mixtral-8x22B-v0.1.json": 141e9,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_FILES))
+def test_published_config_parameter_count(name):
+    path = Path(__file__).parent / "fixtures" / "published" / name
+    estimate = estimate_parameters(load_config(str(path)))
+    assert estimate == pytest.approx(PUBLISHED_FILES[name], rel=0.03)

@@ -192,7 +192,8 @@ def _moe_params(cfg: Mapping) -> Counter:
     h, mats = _hidden(cfg), _mlp_matrices(cfg)
     experts = _num_experts(cfg)
     size = need_int(cfg, "moe_intermediate_size", "intermediate_size", why="expert weights")
-    expert_hidden = opt_int(cfg, "routed_expert_hidden_size", default=h, minimum=1) or h
+    expert_hidden = opt_int(cfg, "routed_expert_hidden_size", "moe_latent_size", default=h,
+                            minimum=1) or h
     out = Counter({EXPERTS: experts * mats * expert_hidden * size, OTHER: h * experts})
     if expert_hidden != h:  # latent MoE: experts run in a smaller space
         out[DENSE] += 2 * h * expert_hidden
