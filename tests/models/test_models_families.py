@@ -191,3 +191,9 @@ def test_every_cached_layer_counts_its_own_geometry():
     counts = Counter(ly.bytes_per_token for ly in layers_from_config(config))
     # 10 sliding: 8 x 256 x 2 x 2 B; 2 global: 2 x 512 x 2 x 2 B
     assert counts == {8192: 10, 4096: 2}
+
+
+def test_reviewed_keys_are_per_family():
+    gate = dict(BASE, num_hidden_layers=2, attn_output_gate=True)
+    assert unread_geometry_keys(dict(gate, model_type="qwen3_5_text")) == []
+    assert unread_geometry_keys(dict(gate, model_type="llama")) == ["attn_output_gate"]

@@ -32,11 +32,11 @@ _GEOMETRY_WORDS = re.compile(
     r"mla|latent|shared"
 )
 
-# Keys pagedkv reads, or reviewed and known not to change cache geometry, for every family.
-_KNOWN = frozenset("""
+# Keys pagedkv reads (models/pattern, attention, overrides, recurrent, drafters, weights).
+_READ = frozenset("""
 num_hidden_layers num_attention_heads num_key_value_heads head_dim attention_head_dim v_head_dim
 kv_lora_rank qk_rope_head_dim qk_nope_head_dim q_lora_rank index_head_dim index_n_heads
-index_topk sliding_window sliding_window_pattern sliding_window_size use_sliding_window
+sliding_window sliding_window_pattern sliding_window_size use_sliding_window
 max_window_layers layer_types layers_block_type attention_chunk_size no_rope_layers
 no_rope_layer_interval linear_attn_config hybrid_override_pattern hybrid_layer_pattern
 attn_type_list full_attention_interval attn_layer_period attn_layer_offset block_configs
@@ -46,41 +46,65 @@ swa_v_head_dim add_swa_attention_sink_bias add_full_attention_sink_bias
 attn_logit_softcapping query_pre_attn_scalar linear_num_value_heads linear_num_key_heads
 linear_key_head_dim linear_value_head_dim linear_conv_kernel_dim mamba_num_heads mamba_n_heads
 mamba_head_dim mamba_d_head ssm_state_size mamba_d_state n_groups mamba_n_groups conv_kernel
-mamba_d_conv mamba_expand mamba_dt_rank mamba_ssm_cache_dtype state_size expand num_heads
-linear_attn_alpha_factor layernorm_linear_attention_alpha num_nextn_predict_layers
-mtp_num_hidden_layers mla_use_nope mla_use_output_gate use_bidirectional_attention
-sparse_attention_config
-attention_bias attention_dropout attention_value_scale attention_output_gate attention_multiplier
-attention_scale attn_scale attn_temperature_tuning attention_in_multimodal_projection
-head_dim_scale qk_norm_type use_qk_norm qk_layernorm use_qkv_bias qkv_bias
-rope_theta rope_scaling rope_parameters partial_rotary_factor rotary_dim rotary_pct
-rope_interleave swa_rope_theta compress_rope_theta
+mamba_d_conv mamba_expand mamba_dt_rank time_step_rank mamba_ssm_cache_dtype mamba_ssm_dtype
+state_size expand num_heads linear_attn_alpha_factor layernorm_linear_attention_alpha
+num_nextn_predict_layers mtp_num_hidden_layers mla_use_nope mla_use_output_gate
+use_bidirectional_attention sparse_attention_config add_cross_attention pruned_heads
+cross_attention_layers compress_ratios compress_rates
 first_k_dense_replace moe_layer_freq moe_layers mlp_layer_types mlp_only_layers
 decoder_sparse_step interleave_moe_layer_step expert_layer_period expert_layer_offset
 n_shared_experts num_shared_experts shared_expert_intermediate_size
-moe_shared_expert_intermediate_size shared_intermediate_size share_expert_dim
-moe_shared_expert_overlap shared_expert_gate norm_topk_prob
-num_experts_per_tok num_experts_per_token moe_latent_size routed_expert_hidden_size
-hidden_size_per_layer_input vocab_size_per_layer_input layer_norm_eps layernorm_epsilon
-layer_norm_epsilon norm_eps rms_norm_eps use_gemma_norm latent_moe_use_norm mixer_rms_eps
-residual_in_fp32 num_logits_to_keep tie_word_embeddings use_cache
-use_mamba_kernels use_mambapy use_conv_bias mamba_conv_bias mamba_proj_bias mamba_chunk_size
-chunk_size time_step_limit time_step_min time_step_max time_step_floor time_step_rank
-time_step_scale time_step_init_scheme mamba_hidden_act ssm_cfg chunk_size_feed_forward
-rescale_prenorm_residual mamba_dt_min mamba_dt_max mamba_dt_init_floor mamba_dt_limit
-linear_attn_gate linear_conv_bias
-num_hash_layers hc_mult hc_eps hc_sinkhorn_iters o_groups o_lora_rank
-attn_res_block_size mtp_layers_block_type mtp_layer_types mtp_mlp_layer_types
-num_sliding_attention_heads num_mtp_modules layer_scale_init_value
-vision_soft_tokens_per_image mm_tokens_per_image boi_token_index eoi_token_index
-image_token_index eoa_token_index ignore_index num_local_experts attn_output_gate
-enable_moe_block mtp_transformer_layers cross_attention_hidden_size output_attentions
-output_hidden_states remove_invalid_values use_unified_vision_chunk indexer_rope_interleave
-qk_head_dim layernorm_full_attention_alpha activation_situ_linear_beta mamba_ssm_dtype
-block_size num_target_layers target_layer_ids aux_hidden_state_layer_ids
-eagle_aux_hidden_state_layer_ids target_hidden_size draft_vocab_size add_cross_attention
-pruned_heads
+moe_shared_expert_intermediate_size num_local_experts moe_latent_size routed_expert_hidden_size
+tie_word_embeddings block_size num_target_layers target_layer_ids aux_hidden_state_layer_ids
+eagle_aux_hidden_state_layer_ids target_hidden_size draft_vocab_size
 """.split())
+
+# Reviewed, and known not to change what any layer caches, in every family: scalars of the
+# attention math, RoPE, norms, MoE routing, and transformers' generic serialization keys.
+_REVIEWED_COMMON = frozenset("""
+attention_bias attention_dropout attention_multiplier attention_scale attn_scale
+attn_temperature_tuning head_dim_scale use_qk_norm qk_layernorm use_qkv_bias qkv_bias
+rope_theta rope_scaling rope_parameters partial_rotary_factor rotary_dim rotary_pct
+rope_interleave index_topk norm_topk_prob num_experts_per_tok num_experts_per_token
+shared_expert_gate layer_norm_eps layernorm_epsilon layer_norm_epsilon norm_eps rms_norm_eps
+residual_in_fp32 num_logits_to_keep use_cache chunk_size_feed_forward output_attentions
+output_hidden_states remove_invalid_values cross_attention_hidden_size ignore_index
+image_token_index boi_token_index eoi_token_index mm_tokens_per_image layer_scale_init_value
+qk_head_dim
+""".split())
+
+# Reviewed per family (model_type prefix): fields of one family's math or weights only.
+_REVIEWED_BY_FAMILY = {
+    "gemma": "hidden_size_per_layer_input vocab_size_per_layer_input enable_moe_block "
+             "vision_soft_tokens_per_image eoa_token_index",
+    "mimo": "attention_value_scale swa_rope_theta",
+    "deepseek_v4": "num_hash_layers hc_mult hc_eps hc_sinkhorn_iters o_groups o_lora_rank "
+                   "compress_rope_theta",
+    "kimi": "attn_res_block_size activation_situ_linear_beta latent_moe_use_norm "
+            "use_unified_vision_chunk",
+    "minimax": "num_mtp_modules mtp_transformer_layers layernorm_full_attention_alpha "
+               "use_gemma_norm qk_norm_type attention_output_gate shared_intermediate_size",
+    "step": "num_sliding_attention_heads share_expert_dim",
+    "glm": "indexer_rope_interleave",
+    "qwen3": "attn_output_gate",
+    "nemotron_h": "mtp_layers_block_type mtp_layer_types mtp_mlp_layer_types "
+                  "moe_shared_expert_overlap mixer_rms_eps",
+    "mamba": "use_mambapy use_conv_bias mixer_rms_eps time_step_min time_step_max "
+             "time_step_floor time_step_scale time_step_init_scheme",
+}
+
+# Mamba mixers' own numerics, wherever they appear (Jamba, Nemotron-H, Bamba, Falcon-H1...).
+_REVIEWED_MAMBA = frozenset("""
+use_mamba_kernels use_mambapy use_conv_bias mamba_conv_bias mamba_proj_bias mamba_chunk_size
+chunk_size time_step_limit time_step_min time_step_max time_step_floor time_step_scale
+time_step_init_scheme mamba_hidden_act ssm_cfg rescale_prenorm_residual mamba_dt_min
+mamba_dt_max mamba_dt_init_floor mamba_dt_limit linear_attn_gate linear_conv_bias
+""".split())
+
+
+def _reviewed(kind: str) -> frozenset:
+    extra = [keys for prefix, keys in _REVIEWED_BY_FAMILY.items() if kind.startswith(prefix)]
+    return frozenset(" ".join(extra).split())
 
 # Sub-objects whose keys are reviewed as a whole (quantization, vision towers, tokens...).
 _OPAQUE = frozenset((
@@ -126,9 +150,11 @@ def refuse_unmodelled(cfg: Mapping) -> None:
 def unread_geometry_keys(cfg: Mapping) -> list[str]:
     """Top-level keys that look like cache geometry but that pagedkv neither reads nor has
     reviewed as harmless, sorted (for a warning; the plan still runs)."""
+    family = _reviewed(model_type(cfg))
+    known = _READ | _REVIEWED_COMMON | _REVIEWED_MAMBA | family
     return sorted(
         key for key in cfg
-        if isinstance(key, str) and key not in _KNOWN and key not in _OPAQUE
+        if isinstance(key, str) and key not in known and key not in _OPAQUE
         and not key.startswith("_") and not key.endswith("_token_id")
         and _GEOMETRY_WORDS.search(key)
     )
