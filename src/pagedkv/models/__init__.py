@@ -3,7 +3,12 @@
 Configs are read by their fields (``layer_types``, ``kv_lora_rank``, ``linear_attn_config``,
 ``hybrid_override_pattern``...), never by an allow-list of class names; a config whose
 architecture cannot be read raises :class:`~pagedkv.errors.UnsupportedArchitectureError`
-or :class:`~pagedkv.errors.ConfigError` naming what is missing. Standard library only.
+or :class:`~pagedkv.errors.ConfigError` naming what is missing. Family defaults are applied
+as the family's transformers config class applies them (:mod:`~pagedkv.models.pattern`,
+:mod:`~pagedkv.models.overrides`); fields that change the cache in ways pagedkv does not model
+are refused by name (:mod:`~pagedkv.models.geometry`); drafters are checked against their
+target (:mod:`~pagedkv.models.compat`). Standard library only; the optional
+:mod:`~pagedkv.models.via_transformers` imports transformers lazily.
 """
 
 from pagedkv.models.catalog import catalog_description, catalog_names, catalog_source
