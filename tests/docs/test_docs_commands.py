@@ -1,6 +1,7 @@
 """Every fenced block of README.md and docs/*.md is labelled, and every ``python`` and ``sh``
 block runs: Python blocks are executed, shell lines run one command at a time (``a && b`` is two
-commands). ``pagedkv`` commands run in-process, ``python`` scripts in a subprocess. Package
+commands). In a ``text`` block, a line ``$ pagedkv ...`` is a transcript: the command runs and
+prints the lines that follow it (exit status 2 when they show ``pagedkv: error:``). ``pagedkv`` commands run in-process, ``python`` scripts in a subprocess. Package
 installs and the test suite itself are skipped with a reason (.ci/run runs those in a fresh
 virtual environment); a line ending in ``# slow`` runs only with PAGEDKV_DOCS_SLOW=1; blocks
 that need torch skip without it.
@@ -61,6 +62,30 @@ def _python_blocks():
     for doc, line, lang, body in _blocks():
         if lang == "python":
             yield pytest.param(body, id=f"{doc}:{line}")
+
+
+def _transcripts():
+    for doc, line, lang, body in _blocks():
+        if lang != "text":
+            continue
+        lines = body.splitlines()
+        starts = [i for i, text in enumerate(lines) if text.startswith("$ ")]
+        for k, i in enumerate(starts):
+            end = starts[k + 1] if k + 1 < len(starts) else len(lines)
+            expected = [text for text in lines[i + 1:end] if text.strip()]
+            yield pytest.param(lines[i][2:], expected, id=f"{doc}:{line + 1 + i}")
+
+
+@pytest.mark.parametrize("command, expected", list(_transcripts()))
+def test_doc_transcript_prints_what_it_shows(command, expected, cli):
+    argv = shlex.split(command)
+    assert argv[0] == "pagedkv", f"transcripts may only show pagedkv commands: {command}"
+    result = cli(*argv[1:])
+    failing = any(text.startswith("pagedkv: error:") for text in expected)
+    assert result.code == (2 if failing else 0), result.err
+    printed = (result.out + result.err).splitlines()
+    missing = [text for text in expected if text not in printed]
+    assert not missing, f"{command} no longer prints {missing}"
 
 
 def test_every_fenced_block_is_labelled():
