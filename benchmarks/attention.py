@@ -31,6 +31,31 @@ from pagedkv.ops.triton.mla import paged_mla_latent
 
 ROWS: list[tuple] = []
 COPY_GBS = [0.0]
+TUNED: dict[str, dict] = {"gqa": {}, "mla": {}}  # best launch config of each family's sweep
+
+
+def sweep(family: str, case: str, run, grid: list[dict]) -> None:
+    """Time each launch config on this case; the fastest becomes TUNED[family]."""
+    best = None
+    for cfg in grid:
+        try:
+            run(**cfg)
+            us = 1e3 * triton.testing.do_bench(lambda cfg=cfg: run(**cfg), warmup=5, rep=20,
+                                               return_mode="median")
+        except Exception as exc:
+            print(f"# sweep {case} {cfg}: failed ({type(exc).__name__})", flush=True)
+            continue
+        print(f"# sweep {case} {cfg}: {us:.1f} us", flush=True)
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    if best:
+        TUNED[family] = best[1]
+        print(f"# sweep {case}: best {best[1]} {best[0]:.1f} us", flush=True)
+
+
+def tuned_name(family: str) -> str:
+    cfg = TUNED[family]
+    return "pagedkv_triton[" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "]"
 
 
 def bench(fn) -> float:
@@ -70,7 +95,7 @@ def copy_bandwidth() -> float:
 
 # ---------------------------------------------------------------- GQA
 def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=False, peers=True,
-             flex=False):
+             flex=False, do_sweep=False):
     dev = "cuda"
     case = f"gqa B{batch} ctx{ctx} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
            f" p{page}{' fp8' if fp8 else ''}"
@@ -95,10 +120,20 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
         del k, v
         ours = lambda: paged_attention(q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw)  # noqa: E731
         ref = record(case, "pagedkv_triton", ours, nbytes, None, flops)
+        if TUNED["gqa"]:
+            record(case, tuned_name("gqa"), lambda: paged_attention(
+                q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw, **TUNED["gqa"]), nbytes, None, flops)
         return ref
     ours = lambda: paged_attention(q, k, v, qsl, lens, table, **kw)  # noqa: E731
     ref = ours()
     record(case, "pagedkv_triton", ours, nbytes, ref, flops)
+    if do_sweep:
+        sweep("gqa", case, lambda **c: paged_attention(q, k, v, qsl, lens, table, **kw, **c),
+              [dict(block_n=bn, num_warps=w, num_stages=st, splits=sp) for bn in (64, 128)
+               for w in (4, 8) for st in (2, 4) for sp in (1, 4)])
+    if TUNED["gqa"]:
+        record(case, tuned_name("gqa"),
+               lambda: paged_attention(q, k, v, qsl, lens, table, **kw, **TUNED["gqa"]), nbytes, ref, flops)
     if not peers:
         return ref
     group = hq // hkv
@@ -118,7 +153,7 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
                 with sdpa_kernel(backend):
                     return unfold(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale))
             record(case, f"torch_sdpa_dense[{backend.name.split('_')[0].lower()}]", sdpa, nbytes, ref, flops)
-    del kd, vd
+
     try:
         import flashinfer
     except Exception as exc:
@@ -181,7 +216,7 @@ def flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops,
 
 
 # ---------------------------------------------------------------- MLA
-def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True):
+def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, do_sweep=False):
     dev = "cuda"
     rank, rope = 512, 64
     case = f"mla B{batch} ctx{ctx} h{heads} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
@@ -204,19 +239,37 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True):
         flat = latent.view(-1, rank + rope)
         write_mla_latent(flat[:, :rank], flat[:, rank:], cache, slots)
         del latent
-        return record(case, "pagedkv_triton", lambda: paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, **kw),
-                      batch * ctx * 656, None, flops)
+        record(case, "pagedkv_triton", lambda: paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, **kw),
+               batch * ctx * 656, None, flops)
+        if TUNED["mla"]:
+            record(case, tuned_name("mla"), lambda: paged_mla_latent(
+                q_lat, q_rope, cache, qsl, lens, table, **kw, **TUNED["mla"]), batch * ctx * 656, None, flops)
+        return None
     if fmt == "fp8":
         ls = float(latent.abs().amax()) / 448
         cache = (latent.float() / ls).to(torch.float8_e4m3fn)
         del latent
-        return record(case, "pagedkv_triton",
-                      lambda: paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, latent_scale=ls, **kw),
-                      batch * ctx * 576, None, flops)
+        record(case, "pagedkv_triton",
+               lambda: paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, latent_scale=ls, **kw),
+               batch * ctx * 576, None, flops)
+        if TUNED["mla"]:
+            record(case, tuned_name("mla"), lambda: paged_mla_latent(
+                q_lat, q_rope, cache, qsl, lens, table, latent_scale=ls, **kw, **TUNED["mla"]),
+                batch * ctx * 576, None, flops)
+        return None
     nbytes = batch * ctx * 576 * 2
     ours = lambda: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw)  # noqa: E731
     ref = ours()
     record(case, "pagedkv_triton", ours, nbytes, ref, flops)
+    if do_sweep:
+        auto = max(1, -(-264 // batch))
+        sweep("mla", case, lambda **c: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw, **c),
+              [dict(block_n=bn, num_warps=w, num_stages=st, splits=sp) for bn in (32, 64)
+               for w in (4, 8) for st in (1, 2) for sp in (auto, 2 * auto)])
+    if TUNED["mla"]:
+        record(case, tuned_name("mla"),
+               lambda: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw, **TUNED["mla"]),
+               nbytes, ref, flops)
     if not peers:
         return ref
     try:
@@ -264,7 +317,7 @@ def main(argv=None) -> int:
     print("%-30s %-34s %9s %8s %7s %6s %7s %8s" % ("case", "kernel", "us", "KV MB", "GB/s", "%copy",
                                                  "TF/s", "relerr"))
     if args.only != "mla":
-        gqa_case(64, 4096, 1, True, flex=True)
+        gqa_case(64, 4096, 1, True, flex=True, do_sweep=True)
         if not args.quick:
             gqa_case(64, 1024, 1, True)
             gqa_case(256, 1024, 1, True)
@@ -278,7 +331,7 @@ def main(argv=None) -> int:
         if not args.quick:
             gqa_case(64, 32768, 1, True, fp8=True)
     if args.only != "gqa":
-        mla_case(64, 8192, 16, 1, True)
+        mla_case(64, 8192, 16, 1, True, do_sweep=True)
         mla_case(64, 8192, 16, 7, False)
         mla_case(64, 8192, 16, 7, True)
         mla_case(64, 8192, 128, 1, True)

@@ -30,6 +30,7 @@ from pagedkv.ops.triton.common import (
     next_pow2,
     num_splits,
     raise_on_bad_block,
+    scale_vector,
 )
 from pagedkv.ops.triton.rows import row_extents, soft_cap_scores, split_range
 
@@ -161,12 +162,16 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq, Dv]; see ``pagedkv.ops.paged_attention``.
 
     ``max_query_len`` / ``max_seq_len`` bound the batch without a host read (needed inside
-    CUDA-graph capture, where the batch is not validated on the host); ``splits`` fixes the
-    number of KV splits.
+    CUDA-graph capture, where the batch is not validated on the host); ``splits``,
+    ``block_n``, ``num_warps`` and ``num_stages`` override the launch configuration
+    (benchmarks/attention.py sweeps them).
     """
     del compute_dtype  # the kernel accumulates in float32
     _check_shapes(q, k_cache, v_cache, soft_cap, sinks)
@@ -194,12 +199,12 @@ def paged_attention(
         raise InvalidArgumentError(f"queries must be bf16, fp16 or fp32, got {q.dtype}")
     block_m = min(64, max(16, next_pow2(max(1, max_query_len) * group)))
     tiles = max(1, -(-max(1, max_query_len) * group // block_m))
-    block_n = 64 if interpreting() else (64 if block_m <= 32 else 32)
+    if block_n is None:
+        block_n = 64 if interpreting() else (64 if block_m <= 32 else 32)
     if splits is None:
         splits = num_splits(batch * tiles * kv_heads, max_seq_len, 256)
     ws = workspace(rows, heads, splits, dv, q.device)
-    scales = torch.stack([torch.as_tensor(x, dtype=torch.float32, device=q.device).reshape(())
-                          for x in (ks, vs)])
+    scales = scale_vector((ks, vs), q.device)
     flag = torch.zeros(2, dtype=torch.int32, device=q.device)
     qc = q if q.stride(-1) == 1 else q.contiguous()
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
@@ -214,7 +219,8 @@ def paged_attention(
             BLOCK_D=max(16, next_pow2(dim)), BLOCK_DV=max(16, next_pow2(dv)),
             CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
             HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
-            HAS_CAP=soft_cap is not None, F32=f32, num_warps=4, num_stages=2,
+            HAS_CAP=soft_cap is not None, F32=f32, num_warps=num_warps or 4,
+            num_stages=num_stages or 2,
         )
     combine(ws, out, query_start_loc, sinks)
     raise_on_bad_block(flag, num_blocks)

@@ -15,7 +15,13 @@ import triton.language as tl
 from pagedkv.errors import InvalidArgumentError, MetadataError
 from pagedkv.ops.cache_write import _stored
 from pagedkv.ops.fp8 import DS_MLA_GROUP, ds_mla_entry_bytes, is_fp8
-from pagedkv.ops.triton.common import capturing, check_device, interpreting, next_pow2
+from pagedkv.ops.triton.common import (
+    capturing,
+    check_device,
+    interpreting,
+    next_pow2,
+    scale_vector,
+)
 
 
 @triton.jit
@@ -92,9 +98,9 @@ def _shape_check(values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor)
 
 
 def _scale(cache: torch.Tensor, scale, device) -> torch.Tensor:
-    _stored(torch.zeros(0, device=device), cache.dtype, scale)  # the reference's scale checks
-    return torch.as_tensor(1.0 if scale is None else scale, dtype=torch.float32,
-                           device=device).reshape(1)
+    if not capturing():
+        _stored(torch.zeros(0, device=device), cache.dtype, scale)  # the reference's scale checks
+    return scale_vector((1.0 if scale is None else scale,), device)
 
 
 def _write_one(values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale) -> None:

@@ -58,3 +58,15 @@ def raise_on_bad_block(flag: torch.Tensor, num_blocks: int) -> None:
         raise MetadataError(
             f"a position is read through block id {block}, outside the cache's {num_blocks} blocks"
         )
+
+
+def scale_vector(values, device) -> torch.Tensor:
+    """float32 [len(values)] on ``device`` from floats or 1-element tensors, with no
+    host-to-device copy (so it may run inside CUDA-graph capture)."""
+    parts = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            parts.append(v.to(device=device, dtype=torch.float32).reshape(1))
+        else:
+            parts.append(torch.full((1,), float(v), dtype=torch.float32, device=device))
+    return torch.cat(parts)

@@ -27,6 +27,7 @@ from pagedkv.ops.triton.common import (
     next_pow2,
     num_splits,
     raise_on_bad_block,
+    scale_vector,
 )
 from pagedkv.ops.triton.rows import row_extents, split_range
 
@@ -62,6 +63,8 @@ def _paged_mla_fwd(
     rmask = row < q_len
     r = tl.arange(0, R)
     p_ = tl.arange(0, BLOCK_P)
+    g3 = tl.arange(0, R // GROUP)
+    j3 = tl.arange(0, GROUP)
     qrow = (q_start + row).to(tl.int64)
     ql = tl.load(ql_ptr + qrow[:, None] * stride_qt + h[:, None] * stride_qh + r[None, :],
                  mask=rmask[:, None], other=0.0)
@@ -89,10 +92,11 @@ def _paged_mla_fwd(
         page = tl.where(kin, page, 0).to(tl.int64)
         entry = page * stride_cb + (keys % block_size) * stride_ct
         if DS_MLA:
-            c = tl.load(c8_ptr + entry[:, None] + r[None, :], mask=kin[:, None], other=0.0)
-            cs = tl.load(f32_ptr + (entry[:, None] + R) // 4 + r[None, :] // GROUP,
-                         mask=kin[:, None], other=0.0)
-            c = c.to(tl.float32) * cs
+            c3 = tl.load(c8_ptr + entry[:, None, None] + (g3 * GROUP)[None, :, None]
+                         + j3[None, None, :], mask=kin[:, None, None], other=0.0)
+            cs = tl.load(f32_ptr + (entry[:, None] + R) // 4 + g3[None, :], mask=kin[:, None],
+                         other=0.0)
+            c = tl.reshape(c3.to(tl.float32) * cs[:, :, None], [BLOCK_N, R])
             if HAS_ROPE:
                 kr = tl.load(bf16_ptr + (entry[:, None] + R + 4 * (R // GROUP)) // 2 + p_[None, :],
                              mask=kin[:, None] & (p_[None, :] < P), other=0.0)
@@ -147,8 +151,15 @@ def paged_mla_latent(
     max_seq_len: int | None = None,
     splits: int | None = None,
     block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """o_latent [T, H, R] (float32; see ``pagedkv.ops.paged_mla.paged_mla_latent``)."""
+    """o_latent [T, H, R] (float32; see ``pagedkv.ops.paged_mla.paged_mla_latent``).
+
+    ``max_query_len`` / ``max_seq_len``: as for ``pagedkv.ops.triton.paged_attention``;
+    ``splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` override the launch.
+    """
     del compute_dtype  # the kernel accumulates in float32
     rows, heads, rank = q_latent.shape
     rope_dim = 0 if q_rope is None else q_rope.shape[-1]
@@ -187,14 +198,14 @@ def paged_mla_latent(
     if block_m is None:
         block_m = min(64, max(16, next_pow2(max(1, max_query_len) * heads)))
     tiles = max(1, -(-max(1, max_query_len) * heads // block_m))
-    block_n = 64 if interpreting() else (16 if f32 else 32)
+    if block_n is None:
+        block_n = 64 if interpreting() else (16 if f32 else 32)
     batch = seq_lens.shape[0]
     if splits is None:
         splits = num_splits(batch * tiles, max_seq_len, 256)
     ws = workspace(rows, heads, splits, rank, q_latent.device)
     out = torch.empty(rows, heads, rank, dtype=torch.float32, device=q_latent.device)
-    lscale = torch.as_tensor(1.0 if latent_scale is None else latent_scale, dtype=torch.float32,
-                             device=q_latent.device).reshape(1)
+    lscale = scale_vector((1.0 if latent_scale is None else latent_scale,), q_latent.device)
     flag = torch.zeros(2, dtype=torch.int32, device=q_latent.device)
     ql = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     qr = ql if q_rope is None else (q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous())
@@ -214,9 +225,9 @@ def paged_mla_latent(
             scale, mask.window or 0, mask.chunk or 0, mask.draft_block or 0,
             R=rank, TILES=tiles, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_P=max(16, next_pow2(rope_dim)), HAS_ROPE=rope_dim > 0, DS_MLA=ds,
-            GROUP=DS_MLA_GROUP, CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
+            GROUP=min(DS_MLA_GROUP, rank), CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
             HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None, F32=f32,
-            num_warps=8 if block_m >= 64 else 4, num_stages=2,
+            num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages or 2,
         )
     combine(ws, out, query_start_loc, None)
     raise_on_bad_block(flag, num_blocks)
