@@ -304,6 +304,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
+    parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("pagedkv: error: benchmarks/attention.py needs a CUDA device", file=sys.stderr)
@@ -317,7 +318,7 @@ def main(argv=None) -> int:
     print("%-30s %-34s %9s %8s %7s %6s %7s %8s" % ("case", "kernel", "us", "KV MB", "GB/s", "%copy",
                                                  "TF/s", "relerr"))
     if args.only != "mla":
-        gqa_case(64, 4096, 1, True, flex=True, do_sweep=True)
+        gqa_case(64, 4096, 1, True, flex=args.flex, do_sweep=True)
         if not args.quick:
             gqa_case(64, 1024, 1, True)
             gqa_case(256, 1024, 1, True)
