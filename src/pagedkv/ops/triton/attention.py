@@ -200,9 +200,9 @@ def paged_attention(
     block_m = min(64, max(16, next_pow2(max(1, max_query_len) * group)))
     tiles = max(1, -(-max(1, max_query_len) * group // block_m))
     if block_n is None:
-        block_n = 64 if interpreting() else (64 if block_m <= 32 else 32)
+        block_n = 64 if interpreting() else (128 if block_m <= 32 else 32)
     if splits is None:
-        splits = num_splits(batch * tiles * kv_heads, max_seq_len, 256)
+        splits = num_splits(batch * tiles * kv_heads, max_seq_len, 256, waves=12)
     ws = workspace(rows, heads, splits, dv, q.device)
     scales = scale_vector((ks, vs), q.device)
     flag = torch.zeros(2, dtype=torch.int32, device=q.device)

@@ -36,15 +36,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def num_splits(work_items: int, max_seq_len: int, chunk: int, sms: int | None = None) -> int:
-    """KV splits so that roughly two waves of programs fill the device, at least ``chunk``
-    keys per split, at most 64 splits."""
+def num_splits(work_items: int, max_seq_len: int, chunk: int, sms: int | None = None,
+               waves: float = 2.0) -> int:
+    """KV splits so that about ``waves`` programs per multiprocessor are launched, at least
+    ``chunk`` keys per split, at most 64 splits (waves per kernel: benchmarks/attention.py's
+    sweep on the H200, docs/kernels.md)."""
     if interpreting():
         return min(2, max(1, -(-max_seq_len // 64)))  # exercise the combine, stay fast
     if sms is None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count if (
             torch.cuda.is_available() and not interpreting()) else 4
-    want = -(-2 * sms // max(1, work_items))
+    want = -(-int(waves * sms) // max(1, work_items))
     most = max(1, -(-max_seq_len // chunk))
     return max(1, min(want, most, 64))
 

@@ -202,7 +202,7 @@ def paged_mla_latent(
         block_n = 64 if interpreting() else (16 if f32 else 32)
     batch = seq_lens.shape[0]
     if splits is None:
-        splits = num_splits(batch * tiles, max_seq_len, 256)
+        splits = num_splits(batch * tiles, max_seq_len, 256, waves=4.5 if block_m <= 32 else 2)
     ws = workspace(rows, heads, splits, rank, q_latent.device)
     out = torch.empty(rows, heads, rank, dtype=torch.float32, device=q_latent.device)
     lscale = scale_vector((1.0 if latent_scale is None else latent_scale,), q_latent.device)
