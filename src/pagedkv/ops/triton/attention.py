@@ -20,7 +20,7 @@ import triton.language as tl
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.ops.fp8 import is_fp8
 from pagedkv.ops.masks import CAUSAL, Mask
-from pagedkv.ops.paged_attention import _check_shapes
+from pagedkv.ops.paged_attention import check_attention_args
 from pagedkv.ops.sequences import sequences
 from pagedkv.ops.triton.combine import combine, workspace
 from pagedkv.ops.triton.common import (
@@ -174,7 +174,7 @@ def paged_attention(
     (benchmarks/attention.py sweeps them).
     """
     del compute_dtype  # the kernel accumulates in float32
-    _check_shapes(q, k_cache, v_cache, soft_cap, sinks)
+    check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
     check_device(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
     ks = _scale_pair(k_cache, k_scale, "k_scale")
     vs = _scale_pair(v_cache, v_scale, "v_scale")

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.errors import InvalidArgumentError, MetadataError
-from pagedkv.ops.cache_write import _stored
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.ops.cache_write import check_slots, to_stored
 from pagedkv.ops.fp8 import DS_MLA_GROUP, ds_mla_entry_bytes, is_fp8
 from pagedkv.ops.triton.common import (
     capturing,
@@ -73,17 +73,8 @@ def _write_ds_mla(
     tl.store(bf16_ptr + (entry + R + 4 * NG) // 2 + p, r.to(tl.bfloat16), mask=p < P)
 
 
-def _write_slots_check_only(values, cache, slots) -> None:
-    target = slots[slots != -1].long()
-    capacity = cache.shape[0] * cache.shape[1]
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= capacity):
-        bad = target[(target < 0) | (target >= capacity)]
-        raise MetadataError(
-            f"slots {bad[:8].tolist()} are outside the cache's {capacity} slots "
-            "(-1 is the only padding value)"
-        )
-    if target.unique().numel() != target.numel():
-        raise MetadataError(f"one call writes some slots twice: {sorted(target.tolist())[:16]}")
+def _write_slots_check_only(cache: torch.Tensor, slots: torch.Tensor) -> None:
+    check_slots(slots[slots != -1].long(), cache.shape[0] * cache.shape[1])
 
 
 def _shape_check(values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -99,7 +90,7 @@ def _shape_check(values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor)
 
 def _scale(cache: torch.Tensor, scale, device) -> torch.Tensor:
     if not capturing():
-        _stored(torch.zeros(0, device=device), cache.dtype, scale)  # the reference's scale checks
+        to_stored(torch.zeros(0, device=device), cache.dtype, scale)  # the reference's scale checks
     return scale_vector((1.0 if scale is None else scale,), device)
 
 
@@ -107,7 +98,7 @@ def _write_one(values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, s
     _shape_check(values, cache, slots)
     check_device(values, cache, slots)
     if not capturing():
-        _write_slots_check_only(values, cache, slots)
+        _write_slots_check_only(cache, slots)
     s = _scale(cache, scale, cache.device)
     if values.shape[0] == 0:
         return
@@ -160,7 +151,7 @@ def write_mla_latent(
     _shape_check(fake, cache, slot_mapping)
     check_device(latent, cache, slot_mapping)
     if not capturing():
-        _write_slots_check_only(fake, cache, slot_mapping)
+        _write_slots_check_only(cache, slot_mapping)
     if latent.shape[0] == 0:
         return
     if cache.stride(0) % 4 or cache.stride(1) % 4 or width % 4:
