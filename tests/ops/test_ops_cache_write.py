@@ -20,6 +20,8 @@ from pagedkv.ops import (  # noqa: E402
 )
 
 DEVICE = test_device()
+# Triton's interpreter (CPU runs of the triton backend) warns on every scalar index
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 
 def _random_slots(num_slots: int, n: int, pad: int, seed: int) -> list[int]:
