@@ -13,6 +13,9 @@ from typing import NamedTuple
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if os.environ.get("PAGEDKV_TEST_DEVICE", "cpu") == "cpu":
+    # Triton kernels run in the interpreter on CPU; it must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:  # torch is optional: the core suite runs without it
     import torch
@@ -59,3 +62,21 @@ def cli(capsys):
         return CliResult(code, out, err)
 
     return run
+
+
+OPS_BACKENDS = ("torch", "triton")
+
+
+@pytest.fixture(params=OPS_BACKENDS)
+def ops_backend(request):
+    """Run a pagedkv.ops test once per backend. The triton run skips without triton; on CPU
+    it runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set above)."""
+    if torch is None:
+        pytest.skip("needs torch")
+    name = request.param
+    if name == "triton":
+        pytest.importorskip("triton")
+    from pagedkv.ops import use_backend
+
+    with use_backend(name):
+        yield name

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dense_reference import decode_ds_mla_entry, test_device  # noqa: E402
+from kernel_cases import only_on_gpu  # noqa: E402
 
 from pagedkv.errors import InvalidArgumentError, MetadataError  # noqa: E402
 from pagedkv.ops import (  # noqa: E402
@@ -19,6 +20,8 @@ from pagedkv.ops import (  # noqa: E402
 )
 
 DEVICE = test_device()
+# Triton's interpreter (CPU runs of the triton backend) warns on every scalar index
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 
 def _random_slots(num_slots: int, n: int, pad: int, seed: int) -> list[int]:
@@ -31,7 +34,8 @@ def _random_slots(num_slots: int, n: int, pad: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_write_kv_lands_in_its_slots_and_nowhere_else(block_size, dtype):
+def test_write_kv_lands_in_its_slots_and_nowhere_else(block_size, dtype, ops_backend):
+    only_on_gpu(ops_backend, keep=dtype == torch.float32, why="it rounds float32 -> bf16/fp16 wrongly")
     blocks, kv_heads, dim, vdim, n = 5, 2, 8, 4, 40
     gen = torch.Generator().manual_seed(block_size)
     key, value = torch.randn(n, kv_heads, dim, generator=gen), torch.randn(n, kv_heads, vdim, generator=gen)
@@ -56,7 +60,8 @@ def test_write_kv_lands_in_its_slots_and_nowhere_else(block_size, dtype):
                 assert bool(k_host[b, o].isnan().all()) and bool(v_host[b, o].isnan().all())
 
 
-def test_write_kv_fp8_stores_scaled_values():
+def test_write_kv_fp8_stores_scaled_values(ops_backend):
+    only_on_gpu(ops_backend, why="its fp8 rounding differs from the GPU's")
     gen = torch.Generator().manual_seed(3)
     key, value = torch.randn(6, 1, 16, generator=gen) * 5, torch.randn(6, 1, 16, generator=gen)
     k_cache = torch.zeros(2, 4, 1, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
@@ -72,7 +77,7 @@ def test_write_kv_fp8_stores_scaled_values():
             assert bool(((back - x).abs() <= torch.clamp_min(x.abs() * 2.0**-4, 2.0**-10 * s) * 1.000001).all())
 
 
-def test_fp8_cache_needs_its_scale_and_others_refuse_one():
+def test_fp8_cache_needs_its_scale_and_others_refuse_one(ops_backend):
     k8 = torch.zeros(1, 2, 1, 4, dtype=torch.float8_e4m3fn, device=DEVICE)
     kb = torch.zeros(1, 2, 1, 4, dtype=torch.bfloat16, device=DEVICE)
     x, slots = torch.ones(1, 1, 4, device=DEVICE), torch.tensor([0], device=DEVICE)
@@ -83,7 +88,8 @@ def test_fp8_cache_needs_its_scale_and_others_refuse_one():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8", "fp8_ds_mla"])
-def test_write_mla_latent_in_every_format(fmt):
+def test_write_mla_latent_in_every_format(fmt, ops_backend):
+    only_on_gpu(ops_backend, why="it rounds float32 -> bf16/fp16/fp8 unlike the GPU")
     rank, rope_dim, block_size, blocks, n = 256, 16, 16, 3, 20
     gen = torch.Generator().manual_seed(5)
     latent, rope = torch.randn(n, rank, generator=gen), torch.randn(n, rope_dim, generator=gen)
@@ -118,7 +124,8 @@ def test_write_mla_latent_in_every_format(fmt):
         assert bool((entry.view(torch.uint8) == 0xFF).all())  # still the NaN fill
 
 
-def test_write_mla_latent_without_rope_for_nope_models():
+def test_write_mla_latent_without_rope_for_nope_models(ops_backend):
+    only_on_gpu(ops_backend, why="it rounds float32 -> bf16 unlike the GPU")
     cache = fill_nan_(torch.empty(2, 4, 128, dtype=torch.bfloat16, device=DEVICE))
     latent = torch.randn(3, 128)
     write_mla_latent(latent.to(DEVICE), None, cache, torch.tensor([5, -1, 2], device=DEVICE))
@@ -127,7 +134,7 @@ def test_write_mla_latent_without_rope_for_nope_models():
     assert int(cache.isnan().all(dim=-1).sum()) == 8 - 2
 
 
-def test_write_state_by_slot_id_skips_padding():
+def test_write_state_by_slot_id_skips_padding(ops_backend):
     cache = fill_nan_(torch.empty(4, 2, 3, dtype=torch.float32, device=DEVICE))
     state = torch.arange(18, dtype=torch.float32).reshape(3, 2, 3)
     write_state(state.to(DEVICE), cache, torch.tensor([2, -1, 0], device=DEVICE))
@@ -136,7 +143,7 @@ def test_write_state_by_slot_id_skips_padding():
     assert bool(host[1].isnan().all()) and bool(host[3].isnan().all())
 
 
-def test_write_into_a_strided_view_of_a_pool():
+def test_write_into_a_strided_view_of_a_pool(ops_backend):
     # two layers interleaved page by page in one pool: each layer's view is not contiguous
     pool = torch.zeros(3, 2, 4, 1, 2, device=DEVICE)  # [pages, layer, block_size, heads, dim]
     k0, v0 = pool[:, 0], pool[:, 1]
@@ -147,14 +154,14 @@ def test_write_into_a_strided_view_of_a_pool():
 
 
 @pytest.mark.parametrize("slots", [[0, 8], [-2, 1], [3, 3]])
-def test_bad_slots_raise(slots):
+def test_bad_slots_raise(slots, ops_backend):
     cache = torch.zeros(2, 4, 1, 2, device=DEVICE)
     x = torch.ones(2, 1, 2, device=DEVICE)
     with pytest.raises(MetadataError):
         write_kv(x, x, cache, cache.clone(), torch.tensor(slots, device=DEVICE))
 
 
-def test_shape_mismatch_raises():
+def test_shape_mismatch_raises(ops_backend):
     cache = torch.zeros(2, 4, 1, 2, device=DEVICE)
     with pytest.raises(InvalidArgumentError):
         write_kv(torch.ones(2, 1, 3, device=DEVICE), torch.ones(2, 1, 2, device=DEVICE), cache,
@@ -165,7 +172,7 @@ def test_shape_mismatch_raises():
     "dtype",
     [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2],
 )
-def test_fill_nan_pages_only(dtype):
+def test_fill_nan_pages_only(dtype, ops_backend):
     cache = torch.zeros(4, 2, 3, device=DEVICE).to(dtype)
     fill_nan_(cache, [1, 3])
     nan = cache.float().isnan().cpu()
@@ -173,7 +180,7 @@ def test_fill_nan_pages_only(dtype):
     assert not bool(nan[0].any()) and not bool(nan[2].any())
 
 
-def test_fill_nan_refuses_integer_caches_and_bad_pages():
+def test_fill_nan_refuses_integer_caches_and_bad_pages(ops_backend):
     with pytest.raises(InvalidArgumentError):
         fill_nan_(torch.zeros(2, 2, dtype=torch.int32, device=DEVICE))
     with pytest.raises(InvalidArgumentError):

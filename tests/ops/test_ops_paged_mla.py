@@ -18,6 +18,7 @@ from dense_reference import (  # noqa: E402
     slots_of,
     test_device,
 )
+from kernel_cases import only_on_gpu  # noqa: E402
 
 from pagedkv.errors import InvalidArgumentError  # noqa: E402
 from pagedkv.ops import (  # noqa: E402
@@ -31,6 +32,10 @@ from pagedkv.ops import (  # noqa: E402
 )
 
 DEVICE = test_device()
+# Triton's interpreter (CPU runs of the triton backend) warns on every scalar index
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+# float64 reference vs float64 compute (torch) or float32 accumulation (triton kernels)
+EXACT = {"torch": dict(rtol=1e-9, atol=1e-9), "triton": dict(rtol=2e-4, atol=2e-4)}
 RANK, ROPE, HEADS, D_NOPE, D_V = 128, 8, 4, 8, 6
 FP8_SCALE = 2.0**-6  # exact in float32
 STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
@@ -126,7 +131,9 @@ CASES = {
 @pytest.mark.parametrize("fmt", sorted(STORAGE))
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_absorbed_mla_matches_naive_mla(fmt, block_size, case):
+def test_absorbed_mla_matches_naive_mla(fmt, block_size, case, ops_backend):
+    only_on_gpu(ops_backend, keep=fmt in ("bf16", "fp16") and (block_size == 16 or fmt == "fp16"),
+                why="fp8 loads and the full grid run on a GPU")
     mask, seqs = CASES[case]
     sc = make_cache([s for s, _ in seqs], block_size, fmt, seed=block_size)
     w_uk, w_uv = weights()
@@ -137,14 +144,14 @@ def test_absorbed_mla_matches_naive_mla(fmt, block_size, case):
     assert tuple(got.shape) == (q_nope.shape[0], HEADS, D_V)
     assert not bool(got.isnan().any())
     want = naive(q_nope, q_rope, sc.latents, seqs, w_uk, w_uv, mask)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got.cpu(), want, **EXACT[ops_backend])
     # and close to attention over the unrounded latent, within the storage format's error
     exact = naive(q_nope, q_rope, sc.exact, seqs, w_uk, w_uv, mask)
     tol = {"bf16": 0.01, "fp16": 0.002, "fp8": 0.05, "fp8_ds_mla": 0.05}[fmt]
     assert float((got.cpu() - exact).abs().max()) < tol
 
 
-def test_nope_target_geometry_without_rope():
+def test_nope_target_geometry_without_rope(ops_backend):
     seqs = [(12, 1), (5, 5), (30, 8)]
     sc = make_cache([s for s, _ in seqs], 16, "bf16", rope=0, seed=3)
     w_uk, w_uv = weights(3)
@@ -152,10 +159,10 @@ def test_nope_target_geometry_without_rope():
     got = paged_mla(q_nope, None, sc.cache, qsl, seq_lens, sc.table, w_uk=w_uk, w_uv=w_uv,
                     compute_dtype=torch.float64, out_dtype=torch.float64)
     torch.testing.assert_close(got.cpu(), naive(q_nope, None, sc.latents, seqs, w_uk, w_uv, Mask()),
-                               rtol=1e-9, atol=1e-9)
+                               **EXACT[ops_backend])
 
 
-def test_latent_op_plus_projection_is_the_full_op():
+def test_latent_op_plus_projection_is_the_full_op(ops_backend):
     seqs = [(9, 4), (3, 1)]
     sc = make_cache([s for s, _ in seqs], 4, "bf16", seed=4)
     w_uk, w_uv = weights(4)
@@ -169,7 +176,7 @@ def test_latent_op_plus_projection_is_the_full_op():
     torch.testing.assert_close(project_output(o_latent, w_uv), full, rtol=1e-5, atol=1e-5)
 
 
-def test_float32_default_is_close_to_float64():
+def test_float32_default_is_close_to_float64(ops_backend):
     mask, seqs = CASES["causal"]
     sc = make_cache([s for s, _ in seqs], 16, "bf16", seed=5)
     w_uk, w_uv = weights(5)
@@ -181,7 +188,7 @@ def test_float32_default_is_close_to_float64():
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_bad_calls_raise():
+def test_bad_calls_raise(ops_backend):
     seqs = [(9, 4)]
     w_uk, w_uv = weights()
     sc = make_cache([9], 4, "bf16")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -88,12 +89,31 @@ class AttentionView:
     group: AttentionGroup
     metadata: GroupMetadata
     causal: bool
-    decode_reqs: torch.Tensor  # int32 [num_decodes] batch rows, ascending
-    prefill_reqs: torch.Tensor  # int32 [num_prefills] batch rows, ascending
     decode_reqs_host: tuple[int, ...]
     prefill_reqs_host: tuple[int, ...]
     num_decode_tokens: int
     num_prefill_tokens: int
+
+    @cached_property
+    def _rows_device(self) -> torch.Tensor:
+        """Decode rows then prefill rows, int32, on the metadata's device. Copied on first use
+        only: a step whose kernels take the mixed batch whole (pagedkv.ops.triton) makes no
+        copy here, so build_metadata's single copy stays the step's only one."""
+        both = torch.tensor(self.decode_reqs_host + self.prefill_reqs_host, dtype=torch.int32)
+        device = self.metadata.seq_lens.device
+        if device.type == "cuda":
+            both = both.pin_memory().to(device, non_blocking=True)
+        return both
+
+    @property
+    def decode_reqs(self) -> torch.Tensor:
+        """int32 [num_decodes] batch rows, ascending (on the metadata's device)."""
+        return self._rows_device[: self.num_decodes]
+
+    @property
+    def prefill_reqs(self) -> torch.Tensor:
+        """int32 [num_prefills] batch rows, ascending (on the metadata's device)."""
+        return self._rows_device[self.num_decodes :]
 
     @property
     def decode_threshold(self) -> int:
@@ -141,16 +161,10 @@ def attention_view(meta: GroupMetadata, group: AttentionGroup, *, causal: bool) 
             )
     decodes = tuple(i for i, q in enumerate(q_lens) if 0 < q <= group.decode_threshold)
     prefills = tuple(i for i, q in enumerate(q_lens) if q > group.decode_threshold)
-    both = torch.tensor(decodes + prefills, dtype=torch.int32)
-    device = meta.seq_lens.device
-    if device.type == "cuda":
-        both = both.pin_memory().to(device, non_blocking=True)
     return AttentionView(
         group=group,
         metadata=meta,
         causal=causal,
-        decode_reqs=both[: len(decodes)],
-        prefill_reqs=both[len(decodes) :],
         decode_reqs_host=decodes,
         prefill_reqs_host=prefills,
         num_decode_tokens=sum(q_lens[i] for i in decodes),

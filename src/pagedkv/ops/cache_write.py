@@ -27,8 +27,8 @@ def write_kv(
     v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """key [T, Hkv, D], value [T, Hkv, Dv] -> their slots; fp8 caches need their scale."""
-    _write_slots(_stored(key, k_cache.dtype, k_scale), k_cache, slot_mapping, 2)
-    _write_slots(_stored(value, v_cache.dtype, v_scale), v_cache, slot_mapping, 2)
+    _write_slots(to_stored(key, k_cache.dtype, k_scale), k_cache, slot_mapping, 2)
+    _write_slots(to_stored(value, v_cache.dtype, v_scale), v_cache, slot_mapping, 2)
 
 
 def write_mla_latent(
@@ -51,7 +51,7 @@ def write_mla_latent(
             raise InvalidArgumentError("fp8_ds_mla carries its own scales; pass no latent scale")
         entries = pack_fp8_ds_mla(latent, rope)
     else:
-        entries = _stored(torch.cat([latent, rope.to(latent.dtype)], dim=-1), cache.dtype, scale)
+        entries = to_stored(torch.cat([latent, rope.to(latent.dtype)], dim=-1), cache.dtype, scale)
     _write_slots(entries, cache, slot_mapping, 2)
 
 
@@ -60,9 +60,10 @@ def write_state(state: torch.Tensor, cache: torch.Tensor, slot_ids: torch.Tensor
     _write_slots(state.to(cache.dtype), cache, slot_ids, 1)
 
 
-def _stored(
+def to_stored(
     values: torch.Tensor, dtype: torch.dtype, scale: float | torch.Tensor | None
 ) -> torch.Tensor:
+    """Values as a cache of ``dtype`` stores them; fp8 needs its scale, other dtypes none."""
     if is_fp8(dtype):
         if scale is None:
             raise InvalidArgumentError(f"writing a {dtype} cache needs its per-tensor scale")
@@ -88,6 +89,16 @@ def _write_slots(
     capacity = 1
     for d in cache.shape[:slot_dims]:
         capacity *= d
+    check_slots(target, capacity)
+    data = values.to(cache.device)[keep]
+    if slot_dims == 2:
+        cache[target // cache.shape[1], target % cache.shape[1]] = data
+    else:
+        cache[target] = data
+
+
+def check_slots(target: torch.Tensor, capacity: int) -> None:
+    """Slots to write (padding removed) must lie inside the cache and be distinct."""
     bad = (target < 0) | (target >= capacity)
     if bool(bad.any()):
         raise MetadataError(
@@ -96,8 +107,3 @@ def _write_slots(
         )
     if target.unique().numel() != target.numel():
         raise MetadataError(f"one call writes some slots twice: {sorted(target.tolist())[:16]}")
-    data = values.to(cache.device)[keep]
-    if slot_dims == 2:
-        cache[target // cache.shape[1], target % cache.shape[1]] = data
-    else:
-        cache[target] = data

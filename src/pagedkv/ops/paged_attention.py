@@ -75,7 +75,7 @@ def paged_attention(
     ``scale`` defaults to 1/sqrt(D). ``sinks`` [Hq] (gpt-oss) are logits in the softmax
     denominator. Padding rows (past query_start_loc[-1]) come out as zeros.
     """
-    _check_shapes(q, k_cache, v_cache, soft_cap, sinks)
+    check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
     rows, heads, dim = q.shape
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     out = torch.zeros(rows, heads, v_cache.shape[-1], dtype=compute_dtype, device=q.device)
@@ -91,7 +91,7 @@ def paged_attention(
     return out.to(out_dtype or q.dtype)
 
 
-def _check_shapes(
+def check_attention_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Paged-attention kernels on a GPU against the bandwidth limit and peers in the same process.
+
+For each kernel and shape: the median of CUDA-event timings (triton.testing.do_bench, L2
+flushed between calls), the KV bytes a kernel must read once (GQA: K + V; MLA: the latent
+entries; q, out and tables not counted), GB/s, and that as a fraction of the device-to-
+device copy bandwidth measured at the start of the same run (2 GiB bf16 copy_, bytes read +
+written). Peers, each where it loads: torch SDPA on K/V gathered to dense (gather not
+timed), torch flex_attention with a paged block mask, FlashInfer (tensor-core decode,
+paged prefill, MLA fa3) and FlashMLA (sgl-flash-mla, legacy SM90 dense path). ``relerr``
+is each output's relative Frobenius distance to pagedkv's triton output for that shape.
+
+Usage: python benchmarks/attention.py [--quick] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+import traceback
+
+import torch
+import triton
+
+from pagedkv.ops import Mask
+from pagedkv.ops.triton.attention import paged_attention
+from pagedkv.ops.triton.cache_write import write_mla_latent
+from pagedkv.ops.triton.mla import paged_mla_latent
+
+ROWS: list[tuple] = []
+COPY_GBS = [0.0]
+TUNED: dict[str, dict] = {"gqa": {}, "mla": {}}  # best launch config of each family's sweep
+
+
+def sweep(family: str, case: str, run, grid: list[dict]) -> None:
+    """Time each launch config on this case; the fastest becomes TUNED[family]."""
+    best = None
+    for cfg in grid:
+        try:
+            run(**cfg)
+            us = 1e3 * triton.testing.do_bench(lambda cfg=cfg: run(**cfg), warmup=5, rep=20,
+                                               return_mode="median")
+        except Exception as exc:
+            print(f"# sweep {case} {cfg}: failed ({type(exc).__name__})", flush=True)
+            continue
+        print(f"# sweep {case} {cfg}: {us:.1f} us", flush=True)
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    if best:
+        TUNED[family] = best[1]
+        print(f"# sweep {case}: best {best[1]} {best[0]:.1f} us", flush=True)
+
+
+def tuned_name(family: str) -> str:
+    cfg = TUNED[family]
+    return "pagedkv_triton[" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "]"
+
+
+def bench(fn) -> float:
+    """Median microseconds (lower of two medians)."""
+    return 1e3 * min(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+                     for _ in range(2))
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().reshape(-1), b.float().reshape(-1)
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def record(case: str, name: str, fn, nbytes: int, ref: torch.Tensor | None, flops: float = 0.0):
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        err = relerr(out, ref) if ref is not None else float("nan")
+        us = bench(fn)
+    except Exception as exc:  # a peer that does not load or refuses the shape
+        print(f"# {case} {name}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
+              flush=True)
+        return None
+    gbs = nbytes / us / 1e3
+    row = (case, name, us, nbytes / 1e6, gbs, 100 * gbs / COPY_GBS[0], flops / us / 1e6, err)
+    ROWS.append(row)
+    print("%-30s %-34s %9.1f %8.0f %7.0f %6.1f %7.1f %8.1e" % row, flush=True)
+    return out
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src))
+    return 2 * (1 << 31) / us / 1e3
+
+
+# ---------------------------------------------------------------- GQA
+def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=False, peers=True,
+             flex=False, do_sweep=False):
+    dev = "cuda"
+    case = f"gqa B{batch} ctx{ctx} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
+           f" p{page}{' fp8' if fp8 else ''}"
+    nblk = ctx // page
+    pages = batch * nblk
+    table = torch.randperm(pages, device=dev, dtype=torch.int32).view(batch, nblk)
+    k = torch.randn(pages, page, hkv, dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(pages, page, hkv, dim, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(batch * q_len, hq, dim, device=dev, dtype=torch.bfloat16)
+    qsl = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    mask = Mask() if causal else Mask(causal=False, draft_block=q_len)
+    scale = dim ** -0.5
+    elt = 1 if fp8 else 2
+    nbytes = 2 * batch * ctx * hkv * dim * elt
+    flops = 4.0 * batch * q_len * hq * ctx * dim
+    kw = dict(mask=mask, max_query_len=q_len, max_seq_len=ctx)
+    if fp8:
+        ks, vs = float(k.abs().amax()) / 448, float(v.abs().amax()) / 448
+        k8 = (k.float() / ks).to(torch.float8_e4m3fn)
+        v8 = (v.float() / vs).to(torch.float8_e4m3fn)
+        del k, v
+        ours = lambda: paged_attention(q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw)  # noqa: E731
+        ref = record(case, "pagedkv_triton", ours, nbytes, None, flops)
+        if TUNED["gqa"]:
+            record(case, tuned_name("gqa"), lambda: paged_attention(
+                q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw, **TUNED["gqa"]), nbytes, None, flops)
+        return ref
+    ours = lambda: paged_attention(q, k, v, qsl, lens, table, **kw)  # noqa: E731
+    ref = ours()
+    record(case, "pagedkv_triton", ours, nbytes, ref, flops)
+    if do_sweep:
+        sweep("gqa", case, lambda **c: paged_attention(q, k, v, qsl, lens, table, **kw, **c),
+              [dict(block_n=bn, num_warps=w, num_stages=st, splits=sp) for bn in (64, 128)
+               for w in (4, 8) for st in (2, 4) for sp in (1, 4)])
+    if TUNED["gqa"]:
+        record(case, tuned_name("gqa"),
+               lambda: paged_attention(q, k, v, qsl, lens, table, **kw, **TUNED["gqa"]), nbytes, ref, flops)
+    if not peers:
+        return ref
+    group = hq // hkv
+    # SDPA on gathered dense K/V, query heads of one KV head (x q_len) folded into the rows
+    kd = k[table.long()].reshape(batch, ctx, hkv, dim).transpose(1, 2).contiguous()
+    vd = v[table.long()].reshape(batch, ctx, hkv, dim).transpose(1, 2).contiguous()
+    qd = q.view(batch, q_len, hkv, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, hkv, q_len * group, dim)
+
+    def unfold(o):
+        return o.view(batch, hkv, q_len, group, dim).permute(0, 2, 1, 3, 4).reshape(batch * q_len, hq, dim)
+
+    if q_len == 1 or not causal:  # every query row sees every key
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                        SDPBackend.EFFICIENT_ATTENTION):
+            def sdpa(backend=backend):
+                with sdpa_kernel(backend):
+                    return unfold(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale))
+            record(case, f"torch_sdpa_dense[{backend.name.split('_')[0].lower()}]", sdpa, nbytes, ref, flops)
+
+    try:
+        import flashinfer
+    except Exception as exc:
+        print(f"# flashinfer does not load: {exc}", flush=True)
+        flashinfer = None
+    if flashinfer is not None:
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        indptr = torch.arange(0, pages + 1, nblk, device=dev, dtype=torch.int32)
+        indices = table.reshape(-1)
+        last = torch.full((batch,), page, device=dev, dtype=torch.int32)
+        if q_len == 1:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+            try:
+                w.plan(indptr, indices, last, hq, hkv, dim, page, q_data_type=torch.bfloat16,
+                       kv_data_type=torch.bfloat16, sm_scale=scale)
+                record(case, "flashinfer_decode_tc", lambda: w.run(q, (k, v)), nbytes, ref, flops)
+            except Exception:
+                traceback.print_exc()
+        else:
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            try:
+                w.plan(qsl, indptr, indices, last, hq, hkv, dim, page, causal=causal,
+                       sm_scale=scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                record(case, "flashinfer_prefill_paged", lambda: w.run(q, (k, v)), nbytes, ref, flops)
+            except Exception:
+                traceback.print_exc()
+    if flex:
+        flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops, causal)
+    return ref
+
+
+def flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops, causal):
+    """flex_attention over the whole physical pool with a mask that follows the page table."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    batch, nblk = table.shape
+    pages, _, hkv, dim = k.shape
+    owner = torch.empty(pages, dtype=torch.int32, device="cuda")
+    logical = torch.empty(pages, dtype=torch.int32, device="cuda")
+    owner[table.reshape(-1).long()] = torch.arange(batch, device="cuda", dtype=torch.int32).repeat_interleave(nblk)
+    logical[table.reshape(-1).long()] = torch.arange(nblk, device="cuda", dtype=torch.int32).repeat(batch)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pg = kv_idx // page
+        seq = q_idx // q_len
+        pos = logical[pg] * page + kv_idx % page
+        qpos = ctx - q_len + q_idx % q_len
+        return (owner[pg] == seq) & ((pos <= qpos) if causal else (pos < ctx))
+
+    try:
+        bm = create_block_mask(mask_mod, 1, None, batch * q_len, pages * page, device="cuda")
+        kf = k.view(1, pages * page, hkv, dim).transpose(1, 2)
+        vf = v.view(1, pages * page, hkv, dim).transpose(1, 2)
+        qf = q.view(1, batch * q_len, -1, dim).transpose(1, 2)
+        fn = torch.compile(flex_attention)
+        record(case, "torch_flex_paged_mask",
+               lambda: fn(qf, kf, vf, block_mask=bm, scale=scale, enable_gqa=True)
+               .transpose(1, 2).reshape(batch * q_len, -1, dim), nbytes, ref, flops)
+    except Exception:
+        traceback.print_exc()
+
+
+# ---------------------------------------------------------------- MLA
+def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, do_sweep=False):
+    dev = "cuda"
+    rank, rope = 512, 64
+    case = f"mla B{batch} ctx{ctx} h{heads} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
+           f"{'' if fmt == 'bf16' else ' ' + fmt}"
+    nblk = ctx // page
+    pages = batch * nblk
+    table = torch.randperm(pages, device=dev, dtype=torch.int32).view(batch, nblk)
+    latent = torch.randn(pages, page, rank + rope, device=dev, dtype=torch.bfloat16)
+    q_lat = torch.randn(batch * q_len, heads, rank, device=dev, dtype=torch.bfloat16)
+    q_rope = torch.randn(batch * q_len, heads, rope, device=dev, dtype=torch.bfloat16)
+    qsl = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    mask = Mask() if causal else Mask(causal=False, draft_block=q_len)
+    scale = 1 / math.sqrt(192)
+    flops = 2.0 * batch * q_len * heads * ctx * (576 + 512)
+    kw = dict(scale=scale, mask=mask, max_query_len=q_len, max_seq_len=ctx)
+    if fmt == "fp8_ds_mla":
+        cache = torch.empty(pages, page, 656, device=dev, dtype=torch.uint8)
+        slots = torch.arange(pages * page, device=dev)
+        flat = latent.view(-1, rank + rope)
+        write_mla_latent(flat[:, :rank], flat[:, rank:], cache, slots)
+        del latent
+        record(case, "pagedkv_triton", lambda: paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, **kw),
+               batch * ctx * 656, None, flops)
+        if TUNED["mla"]:
+            record(case, tuned_name("mla"), lambda: paged_mla_latent(
+                q_lat, q_rope, cache, qsl, lens, table, **kw, **TUNED["mla"]), batch * ctx * 656, None, flops)
+        return None
+    if fmt == "fp8":
+        ls = float(latent.abs().amax()) / 448
+        cache = (latent.float() / ls).to(torch.float8_e4m3fn)
+        del latent
+        record(case, "pagedkv_triton",
+               lambda: paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, latent_scale=ls, **kw),
+               batch * ctx * 576, None, flops)
+        if TUNED["mla"]:
+            record(case, tuned_name("mla"), lambda: paged_mla_latent(
+                q_lat, q_rope, cache, qsl, lens, table, latent_scale=ls, **kw, **TUNED["mla"]),
+                batch * ctx * 576, None, flops)
+        return None
+    nbytes = batch * ctx * 576 * 2
+    ours = lambda: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw)  # noqa: E731
+    ref = ours()
+    record(case, "pagedkv_triton", ours, nbytes, ref, flops)
+    if do_sweep:
+        auto = max(1, -(-264 // batch))
+        sweep("mla", case, lambda **c: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw, **c),
+              [dict(block_n=bn, num_warps=w, num_stages=st, splits=sp) for bn in (32, 64)
+               for w in (4, 8) for st in (1, 2) for sp in (auto, 2 * auto)])
+    if TUNED["mla"]:
+        record(case, tuned_name("mla"),
+               lambda: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw, **TUNED["mla"]),
+               nbytes, ref, flops)
+    if not peers:
+        return ref
+    try:
+        import flashinfer
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="fa3")
+        kv_indptr = torch.arange(0, pages + 1, nblk, device=dev, dtype=torch.int32)
+        w.plan(qsl, kv_indptr, table.reshape(-1), lens, heads, rank, rope, page, causal, scale,
+               torch.bfloat16, torch.bfloat16)
+        ckv, kpe = latent[..., :rank], latent[..., rank:]
+        record(case, "flashinfer_mla[fa3]", lambda: w.run(q_lat, q_rope, ckv, kpe), nbytes,
+               ref.to(torch.bfloat16), flops)
+    except Exception:
+        traceback.print_exc()
+    try:
+        import flash_mla
+        qf = torch.cat([q_lat, q_rope], -1).view(batch, q_len, heads, rank + rope)
+        kc = latent.view(pages, page, 1, rank + rope)
+        meta, _ = flash_mla.get_mla_metadata()
+
+        def fmla():
+            return flash_mla.flash_mla_with_kvcache(qf, kc, table, lens, rank, meta, softmax_scale=scale,
+                                                    causal=causal, use_legacy=True)[0].view(-1, heads, rank)
+        record(case, "flashmla_legacy_dense", fmla, nbytes, ref.to(torch.bfloat16), flops)
+    except Exception:
+        traceback.print_exc()
+    return ref
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--out", help="also write the markdown table here")
+    parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
+    parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("pagedkv: error: benchmarks/attention.py needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    COPY_GBS[0] = copy_bandwidth()
+    dev = torch.cuda.get_device_name()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}, {stamp}")
+    print(f"# device copy {COPY_GBS[0]:.0f} GB/s (read + write)")
+    print("%-30s %-34s %9s %8s %7s %6s %7s %8s" % ("case", "kernel", "us", "KV MB", "GB/s", "%copy",
+                                                 "TF/s", "relerr"))
+    if args.only != "mla":
+        gqa_case(64, 4096, 1, True, flex=args.flex, do_sweep=True)
+        if not args.quick:
+            gqa_case(64, 1024, 1, True)
+            gqa_case(256, 1024, 1, True)
+            gqa_case(256, 4096, 1, True)
+            gqa_case(64, 32768, 1, True)
+            gqa_case(64, 4096, 1, True, page=64)
+        gqa_case(64, 4096, 7, True)
+        gqa_case(64, 4096, 7, False)
+        gqa_case(64, 8192, 1, True, peers=False)
+        gqa_case(64, 8192, 1, True, fp8=True)
+        if not args.quick:
+            gqa_case(64, 32768, 1, True, fp8=True)
+    if args.only != "gqa":
+        mla_case(64, 8192, 16, 1, True, do_sweep=True)
+        mla_case(64, 8192, 16, 7, False)
+        mla_case(64, 8192, 16, 7, True)
+        mla_case(64, 8192, 128, 1, True)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla")
+        mla_case(64, 8192, 16, 1, True, fmt="fp8")
+        if not args.quick:
+            mla_case(64, 8192, 128, 7, False)
+            mla_case(128, 8192, 16, 1, True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(f"{dev}, torch {torch.__version__}, triton {triton.__version__}, {stamp}; "
+                     f"device copy {COPY_GBS[0]:.0f} GB/s\n\n")
+            fh.write("| case | kernel | us | KV MB | GB/s | % copy | TF/s | relerr |\n")
+            fh.write("|---|---|---:|---:|---:|---:|---:|---:|\n")
+            for r in ROWS:
+                fh.write("| %s | %s | %.1f | %.0f | %.0f | %.1f | %.1f | %.1e |\n" % r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

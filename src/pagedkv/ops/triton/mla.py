@@ -1,0 +1,234 @@
+"""Paged absorbed MLA in Triton over the latent cache (R + P wide, e.g. 512 + 64).
+
+The cache holds one shared "head": a program folds (query row, head) pairs of one request
+into its BLOCK_M tile (query lengths 1..16 with 16..128 heads), so a request's latent is
+read once per tile, not once per query token; the tiles of one request run side by side
+and share reads in L2. Scores are q_latent . c_kv + q_rope . k_rope, the value is c_kv
+itself (read once for both). Per-row key extents give causal (bottom-right) and
+non-causal draft blocks. Formats: bf16/fp16/fp32, per-tensor fp8 (scale folded into the
+scores and output) and fp8_ds_mla (per-128 fp32 scales applied on load, bf16 rope).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.ops.fp8 import DS_MLA_GROUP, is_fp8
+from pagedkv.ops.masks import CAUSAL, Mask
+from pagedkv.ops.triton.attention import host_extents
+from pagedkv.ops.triton.combine import combine, workspace
+from pagedkv.ops.triton.common import (
+    capturing,
+    check_device,
+    interpreting,
+    next_pow2,
+    num_splits,
+    raise_on_bad_block,
+    scale_vector,
+)
+from pagedkv.ops.triton.rows import row_extents, split_range
+
+
+@triton.jit
+def _paged_mla_fwd(
+    ql_ptr, qr_ptr, c_ptr, c8_ptr, f32_ptr, bf16_ptr, qsl_ptr, lens_ptr, table_ptr,
+    ws_o, ws_m, ws_l, lscale_ptr, flag_ptr,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_cb, stride_ct, stride_tb,
+    num_blocks, block_size, heads, P, scale, window, chunk, draft,
+    R: tl.constexpr, TILES: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HAS_ROPE: tl.constexpr, DS_MLA: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_DRAFT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // TILES
+    tile = pid % TILES
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len * heads:
+        return
+    seq_len = tl.load(lens_ptr + b)
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = m // heads
+    h = m % heads
+    lo, hi = row_extents(row, q_len, seq_len, window, chunk, draft,
+                         CAUSAL, HAS_DRAFT, HAS_WINDOW, HAS_CHUNK)
+    kv_lo = tl.min(lo, 0)
+    kv_hi = tl.max(hi, 0)
+    s_lo, s_hi = split_range(kv_lo, kv_hi, split, NUM_SPLITS, BLOCK_N)
+    rmask = row < q_len
+    r = tl.arange(0, R)
+    p_ = tl.arange(0, BLOCK_P)
+    g3 = tl.arange(0, R // GROUP)
+    j3 = tl.arange(0, GROUP)
+    qrow = (q_start + row).to(tl.int64)
+    ql = tl.load(ql_ptr + qrow[:, None] * stride_qt + h[:, None] * stride_qh + r[None, :],
+                 mask=rmask[:, None], other=0.0)
+    if HAS_ROPE:
+        qr = tl.load(qr_ptr + qrow[:, None] * stride_rt + h[:, None] * stride_rh + p_[None, :],
+                     mask=rmask[:, None] & (p_[None, :] < P), other=0.0)
+    if F32:
+        ql = ql.to(tl.float32)
+        if HAS_ROPE:
+            qr = qr.to(tl.float32)
+    lscale = tl.load(lscale_ptr)
+    qk_scale = scale * lscale * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
+    for n0 in range(s_lo, s_hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        kin = (keys < s_hi) & (keys >= kv_lo)
+        page = tl.load(table_ptr + b * stride_tb + keys // block_size, mask=kin, other=0)
+        bad = kin & ((page < 0) | (page >= num_blocks))
+        tl.store(flag_ptr + keys * 0, 1, mask=bad)
+        tl.store(flag_ptr + 1 + keys * 0, page, mask=bad)
+        kin = kin & ~bad
+        page = tl.where(kin, page, 0).to(tl.int64)
+        entry = page * stride_cb + (keys % block_size) * stride_ct
+        if DS_MLA:
+            c3 = tl.load(c8_ptr + entry[:, None, None] + (g3 * GROUP)[None, :, None]
+                         + j3[None, None, :], mask=kin[:, None, None], other=0.0)
+            cs = tl.load(f32_ptr + (entry[:, None] + R) // 4 + g3[None, :], mask=kin[:, None],
+                         other=0.0)
+            c = tl.reshape(c3.to(tl.float32) * cs[:, :, None], [BLOCK_N, R])
+            if HAS_ROPE:
+                kr = tl.load(bf16_ptr + (entry[:, None] + R + 4 * (R // GROUP)) // 2 + p_[None, :],
+                             mask=kin[:, None] & (p_[None, :] < P), other=0.0)
+        else:
+            c = tl.load(c_ptr + entry[:, None] + r[None, :], mask=kin[:, None], other=0.0)
+            if HAS_ROPE:
+                kr = tl.load(c_ptr + entry[:, None] + R + p_[None, :],
+                             mask=kin[:, None] & (p_[None, :] < P), other=0.0)
+        if F32:
+            c = c.to(tl.float32)
+            s = tl.dot(ql, tl.trans(c), input_precision="ieee")
+            if HAS_ROPE:
+                s += tl.dot(qr, tl.trans(kr.to(tl.float32)), input_precision="ieee")
+        else:
+            c = c.to(ql.dtype)
+            s = tl.dot(ql, tl.trans(c))
+            if HAS_ROPE:
+                s += tl.dot(qr, tl.trans(kr.to(ql.dtype)))
+        s = s * qk_scale
+        seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & kin[None, :]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        pr = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        if F32:
+            acc = acc * alpha[:, None] + tl.dot(pr, c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(c.dtype), c)
+        m_i = m_new
+
+    base = (qrow * heads + h) * NUM_SPLITS + split
+    tl.store(ws_m + base, m_i, mask=rmask)
+    tl.store(ws_l + base, l_i, mask=rmask)
+    tl.store(ws_o + base[:, None] * R + r[None, :], acc * lscale, mask=rmask[:, None])
+
+
+def paged_mla_latent(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    latent_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    scale: float,
+    mask: Mask = CAUSAL,
+    latent_scale: float | torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """o_latent [T, H, R] (float32; see ``pagedkv.ops.paged_mla.paged_mla_latent``).
+
+    ``max_query_len`` / ``max_seq_len``: as for ``pagedkv.ops.triton.paged_attention``;
+    ``splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` override the launch.
+    """
+    del compute_dtype  # the kernel accumulates in float32
+    rows, heads, rank = q_latent.shape
+    rope_dim = 0 if q_rope is None else q_rope.shape[-1]
+    if q_rope is not None and q_rope.shape[:2] != q_latent.shape[:2]:
+        raise InvalidArgumentError(
+            f"q_rope {tuple(q_rope.shape)} does not match q_latent {tuple(q_latent.shape)}")
+    if latent_cache.dim() != 3:
+        raise InvalidArgumentError(
+            f"the latent cache is [num_blocks, block_size, entry], got {tuple(latent_cache.shape)}")
+    check_device(q_latent, latent_cache, query_start_loc, seq_lens, block_table)
+    ds = latent_cache.dtype == torch.uint8
+    width = latent_cache.shape[-1]
+    cache_rope = (width - rank - 4 * (rank // DS_MLA_GROUP)) // 2 if ds else width - rank
+    if ds and latent_scale is not None:
+        raise InvalidArgumentError("fp8_ds_mla carries its own scales; pass no latent scale")
+    if not ds and is_fp8(latent_cache.dtype) and latent_scale is None:
+        raise InvalidArgumentError(f"a {latent_cache.dtype} cache needs its per-tensor scale")
+    if not ds and not is_fp8(latent_cache.dtype) and latent_scale is not None:
+        raise InvalidArgumentError(
+            f"a scale was given for a {latent_cache.dtype} cache, which has none")
+    if cache_rope != rope_dim:
+        raise InvalidArgumentError(
+            f"the cache holds {cache_rope} rope values per token, the query {rope_dim}")
+    if rank != next_pow2(rank) or rank < 16 or latent_cache.stride(-1) != 1:
+        raise InvalidArgumentError(
+            f"the triton MLA kernel needs a power-of-two kv_lora_rank >= 16 and a contiguous "
+            f"entry, got {rank}")
+    num_blocks, block_size = latent_cache.shape[:2]
+    if max_query_len is None or max_seq_len is None:
+        if capturing():
+            raise InvalidArgumentError("inside CUDA-graph capture pass max_query_len and max_seq_len")
+        mq, ms = host_extents(query_start_loc, seq_lens, block_table, rows, block_size, mask)
+        max_query_len = mq if max_query_len is None else max_query_len
+        max_seq_len = ms if max_seq_len is None else max_seq_len
+    f32 = interpreting() or q_latent.dtype == torch.float32
+    if block_m is None:
+        block_m = min(64, max(16, next_pow2(max(1, max_query_len) * heads)))
+    tiles = max(1, -(-max(1, max_query_len) * heads // block_m))
+    if block_n is None:
+        block_n = 64 if interpreting() else (16 if f32 else 32)
+    batch = seq_lens.shape[0]
+    if splits is None:
+        splits = num_splits(batch * tiles, max_seq_len, 256, waves=4.5 if block_m <= 32 else 2)
+    ws = workspace(rows, heads, splits, rank, q_latent.device)
+    out = torch.empty(rows, heads, rank, dtype=torch.float32, device=q_latent.device)
+    lscale = scale_vector((1.0 if latent_scale is None else latent_scale,), q_latent.device)
+    flag = torch.zeros(2, dtype=torch.int32, device=q_latent.device)
+    ql = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    qr = ql if q_rope is None else (q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous())
+    if ds:
+        if latent_cache.stride(0) % 4 or latent_cache.stride(1) % 4 or width % 4:
+            raise InvalidArgumentError("fp8_ds_mla entries must be 4-byte aligned in the cache")
+        views = (latent_cache.view(torch.float8_e4m3fn), latent_cache.view(torch.float32),
+                 latent_cache.view(torch.bfloat16))
+    else:
+        views = (latent_cache, latent_cache, latent_cache)
+    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    if batch and rows:
+        _paged_mla_fwd[(batch * tiles, splits)](
+            ql, qr, latent_cache, *views, query_start_loc, seq_lens, table, *ws, lscale, flag,
+            ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), latent_cache.stride(0),
+            latent_cache.stride(1), table.stride(0), num_blocks, block_size, heads, rope_dim,
+            scale, mask.window or 0, mask.chunk or 0, mask.draft_block or 0,
+            R=rank, TILES=tiles, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_P=max(16, next_pow2(rope_dim)), HAS_ROPE=rope_dim > 0, DS_MLA=ds,
+            GROUP=min(DS_MLA_GROUP, rank), CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
+            HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None, F32=f32,
+            num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages or 2,
+        )
+    combine(ws, out, query_start_loc, None)
+    raise_on_bad_block(flag, num_blocks)
+    return out
