@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from pagedkv.errors import CacheCorruptedError
 
 if TYPE_CHECKING:
-    from pagedkv.blocks.coordinator import KVCacheManager
+    from pagedkv.blocks.manager import KVCacheManager
 
 
 def _require(ok: bool, invariant: str, detail: str) -> None:
@@ -40,8 +40,8 @@ def sweep(mgr: KVCacheManager) -> None:
             src = req.copy_src[m.index]
             if src is not None:
                 count[src] += 1
-            for _, slot in req.saves[m.index]:
-                count[slot] += 1
+            for save in req.saves[m.index]:
+                count[save.slot] += 1
             if m.holds_tokens:
                 _require(len(table) * m.bs >= req.num_computed or not table and not req.num_computed,
                          "computed tokens have slots",

@@ -1,5 +1,6 @@
 """The block manager of a whole plan: one manager per block-table group, one pool per
-memory pool, and the calls an engine makes every step.
+memory pool, and the calls an engine makes every step. Prefix lookup lives in
+:mod:`pagedkv.blocks.lookup`, checked mode in :mod:`pagedkv.blocks.checked`.
 
 Per request: ``add_request`` -> ``find_cached_prefix`` -> ``allocate`` (False: no room
 now; wait or preempt) -> after the forward ``commit`` -> ... -> ``free`` (or ``preempt``).
@@ -18,7 +19,9 @@ from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.cross import CrossManager
 from pagedkv.blocks.events import BlockEvent, CopyOp, EventLog, GroupMetrics, Metrics
 from pagedkv.blocks.full import FullManager
-from pagedkv.blocks.hashing import hash_extender, key_mixer, root_hash
+from pagedkv.blocks.hashing import root_hash
+from pagedkv.blocks.ids import GroupIndex, PoolId
+from pagedkv.blocks.lookup import PrefixLookup
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.recurrent import (
     DEFAULT_POLICY,
@@ -28,7 +31,7 @@ from pagedkv.blocks.recurrent import (
 )
 from pagedkv.blocks.request import INF, RequestState
 from pagedkv.blocks.window import WindowManager
-from pagedkv.errors import CacheCorruptedError, InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.sizing import reserved_blocks
 from pagedkv.plan.types import Group, Plan
 
@@ -38,12 +41,6 @@ _MANAGERS: dict[str, type[GroupManager]] = {
     "chunked_local": WindowManager,
     "cross": CrossManager,
 }  # recurrent groups take one more argument (their checkpoint policy)
-
-# calls the checked mode guards (and refuses once corrupted)
-_PUBLIC = ("add_request", "find_cached_prefix", "allocate", "allocate_batch", "commit",
-           "commit_batch", "free", "preempt",
-           "block_tables", "check_fits", "metrics", "drain_events", "drain_copy_ops",
-           "reset_prefix_cache", "num_computed", "num_tokens")
 
 
 def _null_pages(groups: Iterable[Group]) -> int:
@@ -62,12 +59,23 @@ class KVCacheManager:
     ``group.num_blocks`` blocks. Block 0 of a pool serving a sliding-window or chunked group
     is the null block (:func:`pagedkv.plan.reserved_blocks`); a plan counts it in
     ``Group.num_blocks`` / ``Pool.num_pages`` (``reserved_blocks`` / ``reserved_pages``), so
-    the usable blocks equal the plan's. ``checked`` (default: env ``PAGEDKV_DEBUG=1``) sweeps every invariant after
-    every call. Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
+    the usable blocks equal the plan's. ``checked`` (default: env ``PAGEDKV_DEBUG=1``) builds a
+    :class:`~pagedkv.blocks.checked.CheckedKVCacheManager` instead, which verifies the
+    invariants after every call. Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
     only): ``recurrent_checkpoint_every`` None = the default :class:`CheckpointPolicy`
     (branch points, prompt ends, newest decoded block), N > 0 = every N blocks and nowhere
     else, 0 = none; ``checkpoint_policy`` overrides both. A retention's own interval wins.
     """
+
+    checked = False
+
+    def __new__(cls, *args: object, checked: bool | None = None, **kwargs: object
+                ) -> KVCacheManager:
+        if cls is KVCacheManager and (debug_from_env() if checked is None else checked):
+            from pagedkv.blocks.checked import CheckedKVCacheManager
+
+            cls = CheckedKVCacheManager
+        return super().__new__(cls)
 
     def __init__(self, groups: Sequence[Group], *,
                  pools: Mapping[int, tuple[Sequence[int], int]] | None = None,
@@ -85,8 +93,6 @@ class KVCacheManager:
         self.max_batched_tokens = max_batched_tokens
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
-        self._extend = hash_extender(hash_algo)
-        self._mixer = key_mixer(hash_algo)
         self.event_log = EventLog(events)
         self.pools = self._make_pools(pools)
         pool_of = {gid: pool for pool in self.pools for gid in pool.caches}
@@ -101,37 +107,43 @@ class KVCacheManager:
                       if recurrent_checkpoint_every else NO_CHECKPOINTS)
         managers: list[GroupManager] = []
         for i, g in enumerate(self.groups):
-            args = (i, g, pool_of[g.id], enable_caching, self.event_log)
+            args = (GroupIndex(i), g, pool_of[g.id], enable_caching, self.event_log)
             if g.retention.kind == "recurrent":
                 managers.append(RecurrentManager(*args, policy))
             else:
                 managers.append(_MANAGERS[g.retention.kind](*args))
         self.managers: tuple[GroupManager, ...] = tuple(managers)
-        self._token_managers = tuple(m for m in self.managers if m.holds_tokens)
+        self.prefix = PrefixLookup(self.managers, self.pools, hash_algo, enable_caching)
+        self._token_managers = self.prefix.token_managers
         self._window_managers = tuple(m for m in self.managers if isinstance(m, WindowManager))
-        self._recurrent_managers = tuple(m for m in self.managers
-                                         if isinstance(m, RecurrentManager))
-        self._spare_by_pool: dict[int, tuple[RecurrentManager, ...]] = {}
+        self._recurrent_managers = self.prefix.recurrent_managers
+        self._spare_by_pool: dict[PoolId, tuple[RecurrentManager, ...]] = {}
         for m in self._recurrent_managers:
             pid = m.pool.pool_id
             self._spare_by_pool[pid] = self._spare_by_pool.get(pid, ()) + (m,)
-        self._block_sizes = tuple(sorted({m.bs for m in self.managers}))
-        self._any_caching = any(m.caching for m in self.managers)
         self._pool_per_group = len({m.pool.pool_id for m in self.managers}) == len(self.managers)
         self._reqs: dict[object, RequestState] = {}
-        self.prefix_queries = 0
-        self.prefix_hits = 0
         self.preemptions = 0
-        self._corrupted: str | None = None
-        self.checked = debug_from_env() if checked is None else checked
-        if self.checked:
-            for name in _PUBLIC:
-                setattr(self, name, self._guard(getattr(self, name)))
+
+    @property
+    def prefix_queries(self) -> int:
+        """Prompt tokens looked up (a lookup redone after an eviction counts once)."""
+        return self.prefix.queries
+
+    @property
+    def prefix_hits(self) -> int:
+        """Of those, tokens served from the cache."""
+        return self.prefix.hits
+
+    def check_invariants(self) -> None:
+        """Full sweep of every invariant (:mod:`pagedkv.blocks.checks`); raises
+        :class:`CacheCorruptedError` naming the first violated one."""
+        checks.sweep(self)
 
     @classmethod
     def from_plan(cls, plan: Plan, **kwargs: object) -> KVCacheManager:
         """Manager for ``plan``: its groups and (rank 0's) pools, its token budget."""
-        pools = None
+        pools: dict[int, tuple[Sequence[int], int]] | None = None
         if plan.ranks and plan.ranks[0].pools:
             by_id = {g.id: g for g in plan.groups}
             for p in plan.ranks[0].pools:
@@ -161,7 +173,7 @@ class KVCacheManager:
         seen: list[int] = []
         by_id = {g.id: g for g in self.groups}
         for pid, (gids, num_blocks) in spec.items():
-            pool = BlockPool(num_blocks, pid, self.event_log,
+            pool = BlockPool(num_blocks, PoolId(pid), self.event_log,
                              reserve_null=_null_pages(by_id[g] for g in gids if g in by_id) > 0)
             for gid in gids:
                 pool.cache_for(gid)
@@ -172,29 +184,6 @@ class KVCacheManager:
                 f"every group must be in exactly one pool: groups {sorted(ids)}, pools hold {sorted(seen)}"
             )
         return tuple(pools)
-
-    # --- checked mode ------------------------------------------------------------------
-    def _guard(self, method):  # noqa: ANN001, ANN202 - wraps bound methods one to one
-        def checked_call(*args, **kwargs):
-            if self._corrupted is not None:
-                raise CacheCorruptedError(f"manager refuses calls after: {self._corrupted}")
-            result = method(*args, **kwargs)
-            self.check_invariants()
-            return result
-
-        checked_call.__name__ = method.__name__
-        checked_call.__doc__ = method.__doc__
-        return checked_call
-
-    def check_invariants(self) -> None:
-        """Full sweep; on a violation the manager is marked corrupted and refuses calls."""
-        if self._corrupted is not None:
-            raise CacheCorruptedError(f"manager refuses calls after: {self._corrupted}")
-        try:
-            checks.sweep(self)
-        except CacheCorruptedError as exc:
-            self._corrupted = str(exc)
-            raise
 
     # --- requests ----------------------------------------------------------------------
     def check_fits(self, num_tokens: int) -> None:
@@ -221,7 +210,7 @@ class KVCacheManager:
                 raise InvalidArgumentError(f"bad multimodal span [{a}, {b})")
         req = RequestState(request_id, list(prompt_tokens), root_hash(tuple(extra_keys)),
                            spans, len(self.managers), max_new_tokens)
-        self._hash_full_blocks(req)  # once per prompt; later blocks as they fill
+        self.prefix.hash_full_blocks(req)  # once per prompt; later blocks as they fill
         self._reqs[request_id] = req
 
     def _req(self, request_id: object) -> RequestState:
@@ -229,31 +218,6 @@ class KVCacheManager:
             return self._reqs[request_id]
         except KeyError:
             raise InvalidArgumentError(f"unknown request {request_id!r}") from None
-
-    def _hash_full_blocks(self, req: RequestState) -> None:
-        """Extend every block size's hash chain over newly full blocks of known tokens."""
-        if not self.enable_caching:
-            return
-        tokens = req.tokens
-        for bs in self._block_sizes:
-            hashes = req.hashes.get(bs)
-            if hashes is None:
-                hashes = req.hashes[bs] = []
-            start = len(hashes)
-            stop = len(tokens) // bs
-            if stop <= start:
-                continue
-            parent = hashes[-1] if hashes else req.root
-            if not req.mm_spans:
-                self._extend(tokens, start, stop, bs, parent, hashes)
-                continue
-            for j in range(start, stop):  # blocks with multimodal content mix its ids in
-                self._extend(tokens, j, j + 1, bs, parent, hashes)
-                lo, hi = j * bs, (j + 1) * bs
-                ids = [h for a, b, h in req.mm_spans if a < hi and b > lo]
-                if ids:
-                    hashes[-1] = self._mixer(hashes[-1], ids)
-                parent = hashes[-1]
 
     def find_cached_prefix(self, request_id: object) -> int:
         """Tokens of the request already cached in every group (the longest prefix all
@@ -263,37 +227,7 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"request {request_id!r} already holds blocks; look up before allocating"
             )
-        return self._lookup(req)
-
-    def _lookup(self, req: RequestState) -> int:
-        self.prefix_queries += len(req.tokens)
-        if not self._any_caching:
-            req.pending = (0, self._epoch(), [[] for _ in self.managers])
-            req.fast_limit = req.slot_limit = -1
-            return 0
-        h = len(req.tokens) - 1
-        hits: list[list[int]] = [[] for _ in self.managers]
-        answers = [-1] * len(self.managers)
-        branch = -1  # what the token groups alone have cached: where requests diverge
-        while True:  # fixed point: every group's longest valid hit of at most h equals h
-            for m in self.managers:
-                if answers[m.index] != h:
-                    answers[m.index], hits[m.index] = m.find_hit(req, h)
-            if branch < 0 and self._recurrent_managers:
-                branch = min((answers[m.index] for m in self._token_managers), default=0)
-            lowest = min(answers)
-            if lowest == h:
-                break
-            h = lowest
-        for m in self._recurrent_managers:
-            m.plan_marks(req, h, branch)
-        self.prefix_hits += h
-        req.pending = (h, self._epoch(), hits)
-        req.fast_limit = req.slot_limit = -1
-        return h
-
-    def _epoch(self) -> int:
-        return sum(p.epoch for p in self.pools)
+        return self.prefix.lookup(req)
 
     def allocate(self, request_id: object, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         """Slots for ``num_new_tokens`` tokens to compute this step plus ``num_lookahead``
@@ -328,14 +262,8 @@ class KVCacheManager:
     def _allocate_slow(self, req: RequestState, n: int, lookahead: int) -> bool:
         if n < 0 or lookahead < 0:
             raise InvalidArgumentError(f"token counts must be >= 0, got {n} and {lookahead}")
-        pending = req.pending
-        if pending is not None and pending[1] != self._epoch():  # a hit block was evicted
-            req.pending = None
-            self.prefix_queries -= len(req.tokens)
-            self.prefix_hits -= pending[0]
-            self._lookup(req)
-            pending = req.pending
-        start = pending[0] if pending is not None else req.num_computed
+        pending = self.prefix.revalidate(req)  # a hit block may have been evicted since
+        start = pending.tokens if pending is not None else req.num_computed
         end = start + n + lookahead
         if end > len(req.tokens) + lookahead:
             raise InvalidArgumentError(
@@ -345,7 +273,7 @@ class KVCacheManager:
         if pending is None:
             for m in self._window_managers:
                 m.drop_out_of_window(req)
-        hits = pending[2] if pending is not None else None
+        hits = pending.blocks if pending is not None else None
         short: list[tuple[BlockPool, int]] = []  # pools whose unsent saves must give way
         if self._pool_per_group:
             for m in self.managers:
@@ -376,7 +304,7 @@ class KVCacheManager:
             req.num_computed = start
             req.pending = None
         if self.enable_caching and (n > 1 or self._recurrent_managers):
-            self._hash_full_blocks(req)
+            self.prefix.hash_full_blocks(req)
             for m in self._recurrent_managers:
                 m.reserve_checkpoints(req, start, end)
             if n > 1:  # a prefill chunk: its known tokens are final
@@ -460,7 +388,7 @@ class KVCacheManager:
             for m in self._token_managers:
                 m.trim(req)
             self._update_limits(req, req.num_computed)
-        self._hash_full_blocks(req)
+        self.prefix.hash_full_blocks(req)
         nxt = INF
         for m in self.managers:
             nxt = min(nxt, m.commit(req))
