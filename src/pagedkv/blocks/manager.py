@@ -19,7 +19,7 @@ from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.cross import CrossManager
 from pagedkv.blocks.events import BlockEvent, CopyOp, EventLog, GroupMetrics, Metrics
 from pagedkv.blocks.full import FullManager
-from pagedkv.blocks.hashing import root_hash
+from pagedkv.blocks.hashing import DEFAULT_HASH, root_hash
 from pagedkv.blocks.ids import GroupIndex, PoolId
 from pagedkv.blocks.lookup import PrefixLookup
 from pagedkv.blocks.pool import BlockPool
@@ -65,6 +65,9 @@ class KVCacheManager:
     only): ``recurrent_checkpoint_every`` None = the default :class:`CheckpointPolicy`
     (branch points, prompt ends, newest decoded block), N > 0 = every N blocks and nowhere
     else, 0 = none; ``checkpoint_policy`` overrides both. A retention's own interval wins.
+    ``hash_algo``: block keys (:mod:`pagedkv.blocks.hashing`; the default is safe for a
+    multi-tenant cache, ``"fast-single-tenant"`` is not); ``hash_secret``: a per-deployment
+    key folded into every chain, so keys cannot be computed without it.
     """
 
     checked = False
@@ -80,7 +83,8 @@ class KVCacheManager:
     def __init__(self, groups: Sequence[Group], *,
                  pools: Mapping[int, tuple[Sequence[int], int]] | None = None,
                  max_model_len: int | None = None, max_batched_tokens: int = 2048,
-                 enable_caching: bool = True, hash_algo: str = "fast",
+                 enable_caching: bool = True, hash_algo: str = DEFAULT_HASH,
+                 hash_secret: bytes = b"",
                  checked: bool | None = None, events: bool = False,
                  recurrent_checkpoint_every: int | None = None,
                  checkpoint_policy: CheckpointPolicy | None = None) -> None:
@@ -93,6 +97,9 @@ class KVCacheManager:
         self.max_batched_tokens = max_batched_tokens
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
+        if not isinstance(hash_secret, bytes):
+            raise InvalidArgumentError(f"hash_secret must be bytes, got {type(hash_secret).__name__}")
+        self.hash_secret = hash_secret
         self.event_log = EventLog(events)
         self.pools = self._make_pools(pools)
         pool_of = {gid: pool for pool in self.pools for gid in pool.caches}
@@ -208,7 +215,7 @@ class KVCacheManager:
         for a, b, _ in spans:
             if not 0 <= a < b:
                 raise InvalidArgumentError(f"bad multimodal span [{a}, {b})")
-        req = RequestState(request_id, list(prompt_tokens), root_hash(tuple(extra_keys)),
+        req = RequestState(request_id, list(prompt_tokens), root_hash(tuple(extra_keys), self.hash_secret),
                            spans, len(self.managers), max_new_tokens)
         self.prefix.hash_full_blocks(req)  # once per prompt; later blocks as they fill
         self._reqs[request_id] = req

@@ -30,7 +30,7 @@ def _probability(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pagedkv.blocks.hashing import HASH_ALGOS
+    from pagedkv.blocks.hashing import DEFAULT_HASH, HASH_ALGOS
     from pagedkv.sim.workloads import WORKLOADS
 
     parser = sub.add_parser(
@@ -54,8 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="draft tokens per step (speculative decoding)")
     parser.add_argument("--acceptance", type=_probability, default=0.7, metavar="P",
                         help="probability each draft token is accepted (default 0.7)")
-    parser.add_argument("--hash", choices=HASH_ALGOS, default="fast",
-                        help="block hash (default fast; sha256 for multi-tenant caches)")
+    parser.add_argument("--hash", choices=HASH_ALGOS, default=DEFAULT_HASH,
+                        help=f"block hash (default {DEFAULT_HASH}: collision-resistant, safe for "
+                        "multi-tenant caches; fast-single-tenant is a 64-bit hash anyone can "
+                        "collide: one tenant only)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     ckpt = parser.add_mutually_exclusive_group()
     ckpt.add_argument("--checkpoint-every", type=positive_int, metavar="N",
