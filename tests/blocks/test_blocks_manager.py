@@ -24,6 +24,7 @@ from pagedkv.kvspec import ChunkedLocal, Cross, Full, SlidingWindow
 
 def make(groups, **kw):
     kw.setdefault("checked", True)
+    kw.setdefault("sweep_every", 1)  # the full sweep after every call
     kw.setdefault("events", True)
     kw.setdefault("max_batched_tokens", 64)
     return KVCacheManager(groups, **kw)

@@ -153,8 +153,8 @@ def test_shared_pool_admits_far_more_short_requests_than_separate_pools():
     assert k == 2845 and -(-9 * k // 1024) == 26
     old_groups = [dataclasses.replace(window, num_blocks=1 + 128 + 26, pool=None),
                   dataclasses.replace(full, num_blocks=k, reserved_blocks=0, pool=None)]
-    old = KVCacheManager(old_groups, max_model_len=16384, checked=True)
-    new = KVCacheManager.from_plan(plan, checked=True)
+    old = KVCacheManager(old_groups, max_model_len=16384, checked=True, sweep_every=1)
+    new = KVCacheManager.from_plan(plan, checked=True, sweep_every=1)
     # a request that ran holds its 256 full blocks and, until its next block boundary
     # (window frees run there), the window blocks of its last chunk: 2047 tokens at
     # 2048..4094 = blocks 128..255, plus the 8 blocks 120..127 of the 127 keys before:

@@ -27,7 +27,7 @@ def _real_plan(model, draft, budget):
 
 
 def _manager(kind):
-    kw = {"checked": True, "events": True, "max_batched_tokens": 64}
+    kw = {"checked": True, "sweep_every": 1, "events": True, "max_batched_tokens": 64}
     if kind == "full":
         return KVCacheManager(full_only(num_blocks=40, bs=4), **kw)
     if kind == "window":

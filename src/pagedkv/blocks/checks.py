@@ -1,7 +1,9 @@
-"""The full invariant sweep of checked mode (``checked=True`` or ``PAGEDKV_DEBUG=1``).
+"""The invariants of checked mode (``checked=True`` or ``PAGEDKV_DEBUG=1``).
 
-O(blocks + table entries) per call: meant for tests and debugging, not production.
-Each violation raises :class:`CacheCorruptedError` naming the invariant.
+:func:`sweep` walks everything, O(blocks + table entries): the periodic full check.
+:func:`pool_counters`, :func:`block_state` and :func:`request_tail` check only what one
+call touched, in O(1) per block or table entry. Each violation raises
+:class:`CacheCorruptedError` naming the invariant.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pagedkv.errors import CacheCorruptedError
 
 if TYPE_CHECKING:
     from pagedkv.blocks.manager import KVCacheManager
+    from pagedkv.blocks.pool import BlockPool
+    from pagedkv.blocks.request import RequestState
 
 
 def _require(ok: bool, invariant: str, detail: str) -> None:
@@ -103,3 +107,78 @@ def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
         hashed += len(cache)
     _require(hashed == sum(1 for h in pool.block_hash if h is not None),
              "every hashed block is in its group's map", f"pool {pid}")
+
+
+# --- incremental checks --------------------------------------------------------------
+
+def pool_counters(pool: BlockPool) -> None:
+    """O(groups): every usable block is free, cached-free or used, exactly once in total."""
+    used = sum(pool.used.values())
+    _require(len(pool.free) + len(pool.evictable) + used == pool.usable, "free + used = total",
+             f"pool {pool.pool_id}: {len(pool.free)} free + {len(pool.evictable)} evictable + "
+             f"{used} used != {pool.usable}")
+
+
+def block_state(pool: BlockPool, b: int) -> None:
+    """O(1): block ``b``'s reference count, hash, LRU membership and map entry agree."""
+    pid = pool.pool_id
+    if b == pool.null:
+        _require(pool.ref[b] == 0 and b not in pool.evictable, "null block never allocated",
+                 f"pool {pid}")
+        return
+    _require(pool.first <= b < pool.num_blocks, "blocks belong to their pool",
+             f"pool {pid}: block id {b}")
+    ref = pool.ref[b]
+    h = pool.block_hash[b]
+    _require(ref >= 0, "reference counts equal owners", f"pool {pid} block {b}: ref {ref}")
+    if ref == 0:
+        _require((b in pool.evictable) == (h is not None),
+                 "evictable blocks are cached and unreferenced" if h is not None
+                 else "plain free blocks carry no hash", f"pool {pid} block {b}")
+    else:
+        _require(b not in pool.evictable, "evictable blocks are cached and unreferenced",
+                 f"pool {pid} block {b} has ref {ref} and sits in the LRU")
+        _require(ref == 1 or h is not None, "only cached blocks are shared",
+                 f"pool {pid} block {b} has {ref} owners and no hash")
+    if h is not None:
+        g = pool.block_group[b]
+        _require(pool.caches.get(g, {}).get(h) == b, "hash map consistent with block hashes",
+                 f"pool {pid} group {g}: block {b} holds a hash that maps elsewhere")
+
+
+def request_tail(mgr: KVCacheManager, req: RequestState,
+                 seen: list[tuple[int, int]] | None) -> None:
+    """What a call can have changed in one request: progress, the table entries past the
+    length seen at the last check (and the last one), the newly cached prefix's hashes."""
+    _require(0 <= req.num_computed <= len(req.tokens), "progress within tokens",
+             f"request {req.id!r}: {req.num_computed} computed of {len(req.tokens)}")
+    for m in mgr.managers:
+        i = m.index
+        table = req.tables[i]
+        pool = m.pool
+        old_len, old_cached = seen[i] if seen is not None else (0, 0)
+        start = max(0, min(old_len, len(table)) - 1)
+        null = pool.null
+        for b in table[start:]:
+            if b == null:
+                continue
+            ok = pool.first <= b < pool.num_blocks
+            _require(ok and pool.block_group[b] == m.gid and pool.ref[b] > 0,
+                     "blocks belong to their group",
+                     f"request {req.id!r} group {m.gid} holds block {b} "
+                     f"(group {pool.block_group[b] if ok else '?'}, ref "
+                     f"{pool.ref[b] if ok else '?'})")
+        if m.holds_tokens:
+            _require(len(table) * m.bs >= req.num_computed or not table and not req.num_computed,
+                     "computed tokens have slots",
+                     f"request {req.id!r} group {m.gid}: {len(table)} blocks of {m.bs} for "
+                     f"{req.num_computed} computed tokens")
+            hashes = req.hashes.get(m.bs, [])
+            for j in range(min(old_cached, req.ncached[i]),
+                           min(req.ncached[i], len(table), len(hashes))):
+                b = table[j]
+                h = pool.block_hash[b] if b != null else None
+                if h is not None:
+                    _require(h == m.key(req, j), "hash map consistent with block contents",
+                             f"request {req.id!r} group {m.gid} block {j} (id {b}) is "
+                             "cached under a hash of other tokens")

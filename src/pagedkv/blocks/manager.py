@@ -61,7 +61,8 @@ class KVCacheManager:
     ``Group.num_blocks`` / ``Pool.num_pages`` (``reserved_blocks`` / ``reserved_pages``), so
     the usable blocks equal the plan's. ``checked`` (default: env ``PAGEDKV_DEBUG=1``) builds a
     :class:`~pagedkv.blocks.checked.CheckedKVCacheManager` instead, which verifies the
-    invariants after every call. Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
+    invariants each call touched after every call and sweeps everything every
+    ``sweep_every`` calls (1: a full sweep after every call, as the tests do). Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
     only): ``recurrent_checkpoint_every`` None = the default :class:`CheckpointPolicy`
     (branch points, prompt ends, newest decoded block), N > 0 = every N blocks and nowhere
     else, 0 = none; ``checkpoint_policy`` overrides both. A retention's own interval wins.
@@ -71,6 +72,7 @@ class KVCacheManager:
     """
 
     checked = False
+    pool_class: type[BlockPool] = BlockPool
 
     def __new__(cls, *args: object, checked: bool | None = None, **kwargs: object
                 ) -> KVCacheManager:
@@ -87,7 +89,8 @@ class KVCacheManager:
                  hash_secret: bytes = b"",
                  checked: bool | None = None, events: bool = False,
                  recurrent_checkpoint_every: int | None = None,
-                 checkpoint_policy: CheckpointPolicy | None = None) -> None:
+                 checkpoint_policy: CheckpointPolicy | None = None,
+                 sweep_every: int = 1024) -> None:
         if not groups:
             raise InvalidArgumentError("a block manager needs at least one group")
         if max_batched_tokens <= 0:
@@ -97,6 +100,9 @@ class KVCacheManager:
         self.max_batched_tokens = max_batched_tokens
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
+        if not isinstance(sweep_every, int) or sweep_every <= 0:
+            raise InvalidArgumentError(f"sweep_every must be a positive integer, got {sweep_every!r}")
+        self.sweep_every = sweep_every
         if not isinstance(hash_secret, bytes):
             raise InvalidArgumentError(f"hash_secret must be bytes, got {type(hash_secret).__name__}")
         self.hash_secret = hash_secret
@@ -180,7 +186,7 @@ class KVCacheManager:
         seen: list[int] = []
         by_id = {g.id: g for g in self.groups}
         for pid, (gids, num_blocks) in spec.items():
-            pool = BlockPool(num_blocks, PoolId(pid), self.event_log,
+            pool = self.pool_class(num_blocks, PoolId(pid), self.event_log,
                              reserve_null=_null_pages(by_id[g] for g in gids if g in by_id) > 0)
             for gid in gids:
                 pool.cache_for(gid)

@@ -67,7 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ckpt.add_argument("--no-checkpoints", action="store_true",
                       help="no recurrent checkpoints (recurrent models then get no prefix hits)")
     parser.add_argument("--checked", action="store_true",
-                        help="sweep every invariant after every call (slow; also PAGEDKV_DEBUG=1)")
+                        help="check what every call touched, with a full sweep every 1,024 calls "
+                        "(also PAGEDKV_DEBUG=1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw blocks used per group over time")
     parser.set_defaults(func=run)
