@@ -13,8 +13,9 @@ block is released it is *pending*: still mapped and still charged, reusable for 
 unmapped only once every step launched before it emptied is known finished (the GPU may
 still be reading it; ``cuMemUnmap`` does not wait for queued work). The engine reports steps
 with :meth:`step_launched` / :meth:`step_finished` and, between steps, applies the
-:class:`UnmapOp` and :class:`MapOp` that :meth:`drain` returns (unmaps first, so their
-physical pages can serve the maps). Pages covering each pool's floor blocks are mapped at
+:class:`UnmapOp` and :class:`MapOp` that :meth:`drain` returns. A finished step frees its
+pending pages' bytes at once; their unmaps come first in the next drain, so the device
+never holds more than the budget and the unmapped physical pages can serve the maps. Pages covering each pool's floor blocks are mapped at
 the start and never unmapped. The backing keeps :meth:`stock_wanted` pages pre-created so a
 map never waits for creation; those come out of the free bytes, never on top of the budget.
 
@@ -133,6 +134,7 @@ class PageLedger:
         self._held = 0
         self._maps: dict[tuple[PoolId, int], None] = {}  # queued, in order
         self._pending: dict[tuple[PoolId, int], int] = {}  # page -> step it waits for
+        self._unmaps: list[UnmapOp] = []  # step finished: to emit at the next drain
         self.launched = NO_STEP  # last step handed to the device
         self.finished = NO_STEP  # every step up to this one has finished
         for pid, p in self._pools.items():
@@ -158,7 +160,7 @@ class PageLedger:
         return (self.budget_pages - self._held) * self.page_bytes
 
     def pending_bytes(self) -> int:
-        """Bytes of empty pages waiting for their step to finish (free after that)."""
+        """Bytes of empty pages still charged, waiting for the step in flight to finish."""
         return len(self._pending) * self.page_bytes
 
     def floor_bytes(self, pool_id: PoolId | None = None) -> int:
@@ -261,6 +263,11 @@ class PageLedger:
                     state[pg] = _UNMAPPED
                     p.held -= 1
                     self._held -= 1
+                elif self.launched <= self.finished:  # nothing in flight can read it
+                    state[pg] = _UNMAPPED
+                    p.held -= 1
+                    self._held -= 1
+                    self._unmaps.append(UnmapOp(pool_id, pg, self.launched))
                 else:
                     state[pg] = _PENDING
                     self._pending[key] = self.launched
@@ -310,21 +317,25 @@ class PageLedger:
         if step > self.launched:
             raise InvalidArgumentError(
                 f"step {step} finished but the last launched is {self.launched}")
-        self.finished = max(self.finished, step)
-
-    def drain(self) -> list[PageOp]:
-        """The ops to apply now, between steps: unmaps whose step finished, then maps."""
-        out: list[PageOp] = []
-        done = [k for k, step in self._pending.items() if step <= self.finished]
+        if step <= self.finished:
+            return
+        self.finished = step
+        done = [k for k, s in self._pending.items() if s <= step]
         for key in done:
-            step = self._pending.pop(key)
+            waited = self._pending.pop(key)
             pid, pg = key
             p = self._pools[pid]
             p.state[pg] = _UNMAPPED
             p.held -= 1
             self._held -= 1
-            out.append(UnmapOp(pid, pg, step))
+            self._unmaps.append(UnmapOp(pid, pg, waited))
+
+    def drain(self) -> list[PageOp]:
+        """The ops to apply now, between steps, in order: unmaps (their step finished;
+        their bytes are already free in the ledger), then maps."""
+        out: list[PageOp] = list(self._unmaps)
         out.extend(MapOp(pid, pg) for pid, pg in self._maps)
+        self._unmaps.clear()
         self._maps.clear()
         return out
 
