@@ -57,3 +57,8 @@ class UnsupportedCapabilityError(PagedKVError):
 
 class MetadataError(PagedKVError):
     """Per-step attention metadata is inconsistent (checked mode)."""
+
+
+class DeviceMemoryError(PagedKVError):
+    """A device-memory call (CUDA virtual memory: reserve, create, map, unmap) failed; the
+    message names the call, its arguments and the driver's error."""
