@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from pagedkv.blocks import checks
+from pagedkv.blocks.elastic import ElasticPool
 from pagedkv.blocks.manager import KVCacheManager
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.request import RequestState
@@ -25,13 +26,13 @@ from pagedkv.errors import CacheCorruptedError
 F = TypeVar("F", bound=Callable)
 
 
-class TrackingBlockPool(BlockPool):
-    """A pool that records every block whose state an operation changed."""
+class _Tracking:
+    """Mixin for a pool class: records every block whose state an operation changed."""
 
-    __slots__ = ("touched", "all_touched")
+    __slots__ = ()
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self.touched: set[int] = set()
         self.all_touched = False  # a pool-wide change (clear_cache): sweep it whole
 
@@ -65,6 +66,18 @@ class TrackingBlockPool(BlockPool):
         self.all_touched = True
         super().clear_cache()
 
+    def _drop_cached(self, b):  # noqa: ANN001, ANN201 - elastic pools' eviction for good
+        self.touched.add(b)
+        super()._drop_cached(b)
+
+
+class TrackingBlockPool(_Tracking, BlockPool):
+    __slots__ = ("touched", "all_touched")
+
+
+class TrackingElasticPool(_Tracking, ElasticPool):
+    __slots__ = ("touched", "all_touched")
+
 
 def _verified(method: F) -> F:
     """``method`` (its first argument a request id or a list of them), refused once
@@ -96,6 +109,7 @@ class CheckedKVCacheManager(KVCacheManager):
 
     checked = True
     pool_class = TrackingBlockPool
+    elastic_pool_class = TrackingElasticPool
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         self._corrupted: str | None = None

@@ -68,7 +68,7 @@ def sweep(mgr: KVCacheManager) -> None:
 
 def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
     pid = pool.pool_id
-    free = pool.free
+    free = pool.free_blocks()
     evictable = list(pool.evictable)
     free_set = set(free)
     _require(len(free_set) == len(free), "free list without repeats", f"pool {pid}")
@@ -77,11 +77,15 @@ def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
     _require(pool.null not in free_set and pool.null not in pool.evictable
              and (pool.null < 0 or pool.ref[pool.null] == 0),
              "null block never allocated", f"pool {pid}")
-    used = [b for b in range(pool.first, pool.num_blocks) if pool.ref[b] > 0]
+    # ids an elastic pool never handed out (>= its watermark) hold nothing by construction
+    top = getattr(pool, "fresh", pool.num_blocks)
+    _require(all(pool.ref[b] == 0 and pool.block_hash[b] is None for b in (top, pool.num_blocks - 1)
+                 if top < pool.num_blocks), "ids never handed out hold nothing", f"pool {pid}")
+    used = [b for b in range(pool.first, top) if pool.ref[b] > 0]
     _require(len(free) + len(evictable) + len(used) == pool.usable, "free + used = total",
              f"pool {pid}: {len(free)} free + {len(evictable)} evictable + {len(used)} used "
              f"!= {pool.usable}")
-    for b in range(pool.first, pool.num_blocks):
+    for b in range(pool.first, top):
         _require(pool.ref[b] == owners[b], "reference counts equal owners",
                  f"pool {pid} block {b}: ref {pool.ref[b]}, {owners[b]} owners")
         if owners[b] > 1:
@@ -107,6 +111,20 @@ def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
         hashed += len(cache)
     _require(hashed == sum(1 for h in pool.block_hash if h is not None),
              "every hashed block is in its group's map", f"pool {pid}")
+    ledger = getattr(pool, "ledger", None)
+    if ledger is not None:
+        for b in range(pool.first, top):
+            data = pool.ref[b] > 0 or pool.block_hash[b] is not None
+            _require(ledger.holds_data(pid, b) == data, "the page ledger knows which blocks hold data",
+                     f"pool {pid} block {b}: ledger {ledger.holds_data(pid, b)}, pool {data}")
+            if data:
+                _require(ledger.is_mapped(pid, b), "blocks holding data lie on mapped pages",
+                         f"pool {pid} block {b} (ref {pool.ref[b]}) is on an unmapped page")
+        _require(ledger.mapped_bytes() <= ledger.budget_bytes, "mapped bytes within the budget",
+                 f"{ledger.mapped_bytes()} > {ledger.budget_bytes}")
+        _require(ledger.finished <= ledger.launched, "steps finish after they launch",
+                 f"finished {ledger.finished}, launched {ledger.launched}")
+        ledger.check()  # floors mapped, page counts, no pending page holds data
 
 
 # --- incremental checks --------------------------------------------------------------
@@ -114,9 +132,14 @@ def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
 def pool_counters(pool: BlockPool) -> None:
     """O(groups): every usable block is free, cached-free or used, exactly once in total."""
     used = sum(pool.used.values())
-    _require(len(pool.free) + len(pool.evictable) + used == pool.usable, "free + used = total",
-             f"pool {pool.pool_id}: {len(pool.free)} free + {len(pool.evictable)} evictable + "
+    plain = pool.num_plain_free()
+    _require(plain + len(pool.evictable) + used == pool.usable, "free + used = total",
+             f"pool {pool.pool_id}: {plain} free + {len(pool.evictable)} evictable + "
              f"{used} used != {pool.usable}")
+    ledger = getattr(pool, "ledger", None)
+    if ledger is not None:
+        _require(ledger.mapped_bytes() <= ledger.budget_bytes, "mapped bytes within the budget",
+                 f"{ledger.mapped_bytes()} > {ledger.budget_bytes}")
 
 
 def block_state(pool: BlockPool, b: int) -> None:
@@ -144,6 +167,14 @@ def block_state(pool: BlockPool, b: int) -> None:
         g = pool.block_group[b]
         _require(pool.caches.get(g, {}).get(h) == b, "hash map consistent with block hashes",
                  f"pool {pid} group {g}: block {b} holds a hash that maps elsewhere")
+    ledger = getattr(pool, "ledger", None)
+    if ledger is not None:
+        data = ref > 0 or h is not None
+        _require(ledger.holds_data(pid, b) == data, "the page ledger knows which blocks hold data",
+                 f"pool {pid} block {b}: ledger {ledger.holds_data(pid, b)}, pool {data}")
+        if data:
+            _require(ledger.is_mapped(pid, b), "blocks holding data lie on mapped pages",
+                     f"pool {pid} block {b} (ref {ref}) is on an unmapped page")
 
 
 def request_tail(mgr: KVCacheManager, req: RequestState,

@@ -11,17 +11,20 @@ allocations run only when some group reaches its next boundary (``next_event``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pagedkv.blocks import admission, checks
 from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.cross import CrossManager
+from pagedkv.blocks.elastic import ElasticPool
 from pagedkv.blocks.events import BlockEvent, CopyOp, EventLog, GroupMetrics, Metrics
 from pagedkv.blocks.full import FullManager
 from pagedkv.blocks.hashing import DEFAULT_HASH, root_hash
-from pagedkv.blocks.ids import GroupIndex, PoolId
+from pagedkv.blocks.ids import BlockId, GroupIndex, PoolId
 from pagedkv.blocks.lookup import PrefixLookup
+from pagedkv.blocks.pages import NO_STEP, PageLedger, PageOp, PoolRange
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.recurrent import (
     DEFAULT_POLICY,
@@ -29,9 +32,10 @@ from pagedkv.blocks.recurrent import (
     CheckpointPolicy,
     RecurrentManager,
 )
-from pagedkv.blocks.request import INF, RequestState
+from pagedkv.blocks.request import INF, PendingHit, RequestState
 from pagedkv.blocks.window import WindowManager
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import DoesNotFitError, InvalidArgumentError
+from pagedkv.plan.elastic import PHYSICAL_PAGE_BYTES, PoolBounds, plan_bounds, pool_bounds
 from pagedkv.plan.sizing import reserved_blocks
 from pagedkv.plan.types import Group, Plan
 
@@ -73,6 +77,7 @@ class KVCacheManager:
 
     checked = False
     pool_class: type[BlockPool] = BlockPool
+    elastic_pool_class: type[ElasticPool] = ElasticPool
 
     def __new__(cls, *args: object, checked: bool | None = None, **kwargs: object
                 ) -> KVCacheManager:
@@ -90,7 +95,10 @@ class KVCacheManager:
                  checked: bool | None = None, events: bool = False,
                  recurrent_checkpoint_every: int | None = None,
                  checkpoint_policy: CheckpointPolicy | None = None,
-                 sweep_every: int = 1024) -> None:
+                 sweep_every: int = 1024, budget_bytes: int | None = None,
+                 pool_bytes: Mapping[int, int] | None = None,
+                 ceilings: Mapping[int, int] | None = None,
+                 page_bytes: int = PHYSICAL_PAGE_BYTES, sync_steps: bool = True) -> None:
         if not groups:
             raise InvalidArgumentError("a block manager needs at least one group")
         if max_batched_tokens <= 0:
@@ -107,7 +115,15 @@ class KVCacheManager:
             raise InvalidArgumentError(f"hash_secret must be bytes, got {type(hash_secret).__name__}")
         self.hash_secret = hash_secret
         self.event_log = EventLog(events)
-        self.pools = self._make_pools(pools)
+        self.ledger: PageLedger | None = None
+        self.bounds: tuple[PoolBounds, ...] = ()
+        self.sync_steps = sync_steps
+        self._step = NO_STEP
+        if budget_bytes is None:
+            self.pools = self._make_pools(pools)
+        else:
+            self.pools = self._make_elastic_pools(pools, budget_bytes, pool_bytes, ceilings,
+                                                  page_bytes)
         pool_of = {gid: pool for pool in self.pools for gid in pool.caches}
         if recurrent_checkpoint_every is not None and (
                 not isinstance(recurrent_checkpoint_every, int) or recurrent_checkpoint_every < 0):
@@ -154,8 +170,11 @@ class KVCacheManager:
         checks.sweep(self)
 
     @classmethod
-    def from_plan(cls, plan: Plan, **kwargs: object) -> KVCacheManager:
-        """Manager for ``plan``: its groups and (rank 0's) pools, its token budget."""
+    def from_plan(cls, plan: Plan, *, elastic: bool = True, **kwargs: object) -> KVCacheManager:
+        """Manager for ``plan``: its groups and (rank 0's) pools, its token budget. With
+        ``elastic`` (default) the pools share the plan's per-rank byte budget by demand
+        (:mod:`pagedkv.plan.elastic`); otherwise, or when the floors rounded up to whole
+        physical pages do not fit the budget, each keeps the plan's fixed size."""
         pools: dict[int, tuple[Sequence[int], int]] | None = None
         if plan.ranks and plan.ranks[0].pools:
             by_id = {g.id: g for g in plan.groups}
@@ -173,10 +192,52 @@ class KVCacheManager:
                 pools = None
         kwargs.setdefault("max_model_len", plan.options.max_model_len)
         kwargs.setdefault("max_batched_tokens", plan.options.max_batched_tokens)
+        if elastic:
+            try:
+                plan_bounds(plan)
+            except DoesNotFitError:  # floors rounded up to whole pages overflow a tight plan
+                elastic = False
+        if elastic:
+            kwargs.setdefault("budget_bytes", plan.budget_bytes)
+            if pools is not None:
+                kwargs.setdefault("pool_bytes", {p.id: p.page_bytes for p in plan.ranks[0].pools})
         return cls(plan.groups, pools=pools, **kwargs)  # type: ignore[arg-type]
 
-    def _make_pools(self, spec: Mapping[int, tuple[Sequence[int], int]] | None
-                    ) -> tuple[BlockPool, ...]:
+    def _make_elastic_pools(self, spec: Mapping[int, tuple[Sequence[int], int]] | None,
+                            budget: int, pool_bytes: Mapping[int, int] | None,
+                            ceilings: Mapping[int, int] | None, page_bytes: int
+                            ) -> tuple[BlockPool, ...]:
+        """Pools over one :class:`PageLedger`: floors mapped, ceilings from the budget."""
+        if not isinstance(budget, int) or budget <= 0:
+            raise InvalidArgumentError(f"budget_bytes must be a positive integer, got {budget!r}")
+        if self.max_model_len is None:
+            raise InvalidArgumentError("an elastic budget needs max_model_len (the floors)")
+        by_id = {g.id: g for g in self.groups}
+        if spec is None:
+            spec = {g.id: ((g.id,), g.num_blocks) for g in self.groups}
+        shapes = {}
+        for pid, (gids, _) in spec.items():
+            groups = tuple(by_id[g] for g in gids if g in by_id)
+            bb = (pool_bytes or {}).get(pid) or max(g.page_bytes for g in groups)
+            shapes[pid] = (groups, bb, _null_pages(groups))
+        self.bounds = pool_bounds(shapes, budget, page_bytes)
+        if ceilings:
+            self.bounds = tuple(
+                dataclasses.replace(b, ceiling_blocks=max(b.floor_blocks, ceilings[b.pool_id]))
+                if b.pool_id in ceilings else b for b in self.bounds)
+        self.ledger = PageLedger(
+            [PoolRange(PoolId(b.pool_id), b.block_bytes, b.ceiling_blocks, b.floor_blocks)
+             for b in self.bounds], budget, page_bytes, stock_pages=0)
+        sized = {b.pool_id: (spec[b.pool_id][0], b.ceiling_blocks) for b in self.bounds}
+        floors = {b.pool_id: b.floor_blocks for b in self.bounds}
+        pools = self._make_pools(sized, lambda num, pid, events, reserve_null: self.elastic_pool_class(
+            num, pid, events, reserve_null, self.ledger, floors[pid]))
+        for pool in pools:
+            pool.peers = pools  # type: ignore[attr-defined]
+        return pools
+
+    def _make_pools(self, spec: Mapping[int, tuple[Sequence[int], int]] | None,
+                    make: Callable[..., BlockPool] | None = None) -> tuple[BlockPool, ...]:
         ids = [g.id for g in self.groups]
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"group ids repeat: {ids}")
@@ -186,8 +247,9 @@ class KVCacheManager:
         seen: list[int] = []
         by_id = {g.id: g for g in self.groups}
         for pid, (gids, num_blocks) in spec.items():
-            pool = self.pool_class(num_blocks, PoolId(pid), self.event_log,
-                             reserve_null=_null_pages(by_id[g] for g in gids if g in by_id) > 0)
+            pool = (make or self.pool_class)(
+                num_blocks, PoolId(pid), self.event_log,
+                reserve_null=_null_pages(by_id[g] for g in gids if g in by_id) > 0)
             for gid in gids:
                 pool.cache_for(gid)
                 seen.append(gid)
@@ -287,6 +349,8 @@ class KVCacheManager:
             for m in self._window_managers:
                 m.drop_out_of_window(req)
         hits = pending.blocks if pending is not None else None
+        if self.ledger is not None:
+            return self._allocate_elastic(req, pending, start, n, end, hits)
         short: list[tuple[BlockPool, int]] = []  # pools whose unsent saves must give way
         if self._pool_per_group:
             for m in self.managers:
@@ -313,6 +377,77 @@ class KVCacheManager:
             self._make_room(pool, k)  # checkpoints never block an allocation
         for m in self.managers:
             m.allocate(req, end, hits[m.index] if hits is not None else None)
+        self._after_allocate(req, pending, start, n, end)
+        return True
+
+    def _allocate_elastic(self, req: RequestState, pending: PendingHit | None, start: int,
+                          n: int, end: int, hits: list[list[BlockId]] | None) -> bool:
+        """Admission on bytes: every pool's new blocks must fit the shared budget (after
+        pools reuse their own cached blocks and others give back cached-only pages)."""
+        self._sync_ledger()
+        need: dict[int, int] = {}
+        for m in self.managers:
+            k = m.blocks_needed(req, end, hits[m.index] if hits is not None else None)
+            if k:
+                need[m.pool.pool_id] = need.get(m.pool.pool_id, 0) + k
+        ok, lean = self._elastic_fits(need)
+        if not ok and self._spare_by_pool:
+            for pool in self.pools:  # checkpoints never block an allocation
+                if need.get(pool.pool_id):
+                    self._make_room(pool, pool.num_blocks)
+            ok, lean = self._elastic_fits(need)
+        if not ok:
+            self._raise_if_never(req, end)
+            return False
+        busy = [p for p in self.pools if need.get(p.pool_id)]
+        for pool in busy:
+            pool.protected = True  # type: ignore[attr-defined]
+        for pool in lean:
+            pool.lean = True  # type: ignore[attr-defined]
+        try:
+            for m in self.managers:
+                m.allocate(req, end, hits[m.index] if hits is not None else None)
+        finally:
+            for pool in busy:
+                pool.protected = pool.lean = False  # type: ignore[attr-defined]
+        self._after_allocate(req, pending, start, n, end)
+        return True
+
+    def _elastic_fits(self, need: Mapping[int, int]) -> tuple[bool, list[BlockPool]]:
+        """Whether ``need`` (pool id -> new blocks) fits, and which pools must reuse their
+        own cached blocks rather than map new pages (the budget is short)."""
+        ledger = self.ledger
+        free = ledger.free_bytes()  # type: ignore[union-attr]
+        costs: list[tuple[BlockPool, int]] = []
+        total = 0
+        for pool in self.pools:
+            k = need.get(pool.pool_id, 0)
+            if not k:
+                continue
+            plain = pool.num_plain_free()
+            if k > plain + len(pool.evictable):
+                return False, []
+            c = pool.cost_of(min(k, plain))  # type: ignore[attr-defined]
+            costs.append((pool, c))
+            total += c
+        if total <= free:
+            return True, []
+        lean = [p for p, c in costs if c and need[p.pool_id] <= len(p.evictable)]
+        total = sum(c for p, c in costs if p not in lean)
+        if total <= free:
+            return True, lean
+        spare = sum(q.reclaimable_bytes() for q in self.pools  # type: ignore[attr-defined]
+                    if not need.get(q.pool_id))
+        return total <= free + spare, lean
+
+    def _sync_ledger(self) -> None:
+        """Synchronous engines: a call after a step's launch means that step finished."""
+        ledger = self.ledger
+        if ledger is not None and self.sync_steps and ledger.launched > ledger.finished:
+            ledger.step_finished(ledger.launched)
+
+    def _after_allocate(self, req: RequestState, pending: PendingHit | None, start: int,
+                        n: int, end: int) -> None:
         if pending is not None:
             req.num_computed = start
             req.pending = None
@@ -326,7 +461,6 @@ class KVCacheManager:
         if pending is not None or (self._recurrent_managers and any(req.saves)):
             req.next_event = 0  # the next commit releases copy sources, caches saves
         self._update_limits(req, end)
-        return True
 
     def _spare(self, pool: BlockPool) -> int:
         """Slots of ``pool`` held by saves the engine has not been handed yet."""
@@ -397,6 +531,8 @@ class KVCacheManager:
                 self._commit_slow(req)
 
     def _commit_slow(self, req: RequestState) -> None:
+        if self.ledger is not None:
+            self._sync_ledger()
         if req.last_block_start >= req.num_computed:
             for m in self._token_managers:
                 m.trim(req)
@@ -410,6 +546,7 @@ class KVCacheManager:
     def free(self, request_id: object) -> None:
         """The request finished: give back every block (cached ones stay evictable)."""
         req = self._req(request_id)
+        self._sync_ledger()
         self._release(req)
         del self._reqs[request_id]
 
@@ -417,6 +554,7 @@ class KVCacheManager:
         """Free the request's blocks for recompute; it keeps its tokens and can be looked
         up and allocated again (usually hitting the blocks it just cached)."""
         req = self._req(request_id)
+        self._sync_ledger()
         self._release(req)
         req.reset()
         req.num_preemptions += 1
@@ -455,13 +593,40 @@ class KVCacheManager:
                 m.ops = []
         for m in self._recurrent_managers:
             m.handed_out()  # the engine will write these saves: no longer cancellable
+        if self.ledger is not None:  # the step is launched: pages emptied now wait for it
+            self._sync_ledger()
+            self._step += 1
+            self.ledger.step_launched(self._step)
         return out
+
+    def drain_page_ops(self) -> list[PageOp]:
+        """Physical pages to map and unmap (elastic pools), to apply before this step's
+        copy ops and forward: unmaps first (their last step has finished), then maps."""
+        return self.ledger.drain() if self.ledger is not None else []
+
+    def step_finished(self, step: int) -> None:
+        """Asynchronous engines (``sync_steps=False``): every step up to ``step`` (the
+        count of ``drain_copy_ops`` calls, from 0) has finished on the device."""
+        if self.ledger is not None:
+            self.ledger.step_finished(step)
+
+    def mapped_bytes(self) -> int:
+        """Bytes of physical pages the pools hold (the whole budget for fixed pools)."""
+        if self.ledger is None:
+            return sum(p.num_blocks * m.group.page_bytes for p, m in
+                       {m.pool.pool_id: (m.pool, m) for m in self.managers}.values())
+        return self.ledger.mapped_bytes()
+
+    def floor_bytes(self) -> int:
+        """Bytes the elastic pools' floors keep mapped (0 for fixed pools)."""
+        return self.ledger.floor_bytes() if self.ledger is not None else 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (new weights, ...). Only while no request holds
         blocks, as a held block's hash is how sharing is checked; False otherwise."""
         if any(p.used[g] for p in self.pools for g in p.used):
             return False
+        self._sync_ledger()
         for pool in self.pools:
             pool.clear_cache()
         for req in self._reqs.values():

@@ -55,6 +55,14 @@ class BlockPool:
     def usable(self) -> int:
         return self.num_blocks - self.first
 
+    def num_plain_free(self) -> int:
+        """Free blocks that hold no cached data."""
+        return len(self.free)
+
+    def free_blocks(self) -> list[int]:
+        """The plain free blocks (a copy, for checks)."""
+        return list(self.free)
+
     def num_free(self) -> int:
         """Blocks an allocation can take now (plain free + cached free)."""
         return len(self.free) + len(self.evictable)
