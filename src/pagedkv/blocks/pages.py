@@ -73,6 +73,11 @@ class UnmapOp:
 PageOp = MapOp | UnmapOp
 
 
+def virtual_pages(spec: PoolRange, page_bytes: int) -> int:
+    """Pages of the pool's virtual range: its ceiling's bytes, rounded up to whole pages."""
+    return -(-spec.ceiling_blocks * spec.block_bytes // page_bytes)
+
+
 class _PoolPages:
     """Per-pool state: page states, blocks in use per page, which blocks hold data."""
 
@@ -80,7 +85,7 @@ class _PoolPages:
 
     def __init__(self, spec: PoolRange, page_bytes: int) -> None:
         self.spec = spec
-        self.num_pages = -(-spec.ceiling_blocks * spec.block_bytes // page_bytes)
+        self.num_pages = virtual_pages(spec, page_bytes)
         self.floor_pages = (
             ((spec.floor_blocks * spec.block_bytes - 1) // page_bytes + 1)
             if spec.floor_blocks else 0
