@@ -134,7 +134,7 @@ class ElasticPool(BlockPool):
         for peer in self.peers:
             if ledger.free_bytes() >= want_bytes:
                 break
-            if peer is self or peer.protected or not peer.evictable:
+            if peer is self or peer.protected or not peer.evictable:  # busy or empty
                 continue
             peer.evict_emptiest(want_bytes)
         return ledger.free_bytes() >= want_bytes

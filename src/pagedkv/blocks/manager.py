@@ -12,6 +12,7 @@ allocations run only when some group reaches its next boundary (``next_event``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -390,32 +391,38 @@ class KVCacheManager:
             k = m.blocks_needed(req, end, hits[m.index] if hits is not None else None)
             if k:
                 need[m.pool.pool_id] = need.get(m.pool.pool_id, 0) + k
-        ok, lean = self._elastic_fits(need)
+        ok, lean, costly = self._elastic_fits(need)
         if not ok and self._spare_by_pool:
             for pool in self.pools:  # checkpoints never block an allocation
                 if need.get(pool.pool_id):
                     self._make_room(pool, pool.num_blocks)
-            ok, lean = self._elastic_fits(need)
+            ok, lean, costly = self._elastic_fits(need)
         if not ok:
             self._raise_if_never(req, end)
             return False
-        busy = [p for p in self.pools if need.get(p.pool_id)]
-        for pool in busy:
+        # pools that map new pages go last, protected from each other's reclaim; the
+        # others take their blocks first, after which their remaining cached pages may go
+        late = [m for m in self.managers if m.pool in costly]
+        for pool in costly:
             pool.protected = True  # type: ignore[attr-defined]
         for pool in lean:
             pool.lean = True  # type: ignore[attr-defined]
         try:
             for m in self.managers:
+                if m.pool not in costly:
+                    m.allocate(req, end, hits[m.index] if hits is not None else None)
+            for m in late:
                 m.allocate(req, end, hits[m.index] if hits is not None else None)
         finally:
-            for pool in busy:
+            for pool in self.pools:
                 pool.protected = pool.lean = False  # type: ignore[attr-defined]
         self._after_allocate(req, pending, start, n, end)
         return True
 
-    def _elastic_fits(self, need: Mapping[int, int]) -> tuple[bool, list[BlockPool]]:
-        """Whether ``need`` (pool id -> new blocks) fits, and which pools must reuse their
-        own cached blocks rather than map new pages (the budget is short)."""
+    def _elastic_fits(self, need: Mapping[int, int]
+                      ) -> tuple[bool, list[BlockPool], list[BlockPool]]:
+        """Whether ``need`` (pool id -> new blocks) fits; which pools must reuse their own
+        cached blocks rather than map new pages (the budget is short); which map pages."""
         ledger = self.ledger
         free = ledger.free_bytes()  # type: ignore[union-attr]
         costs: list[tuple[BlockPool, int]] = []
@@ -426,19 +433,27 @@ class KVCacheManager:
                 continue
             plain = pool.num_plain_free()
             if k > plain + len(pool.evictable):
-                return False, []
+                return False, [], []
             c = pool.cost_of(min(k, plain))  # type: ignore[attr-defined]
             costs.append((pool, c))
             total += c
         if total <= free:
-            return True, []
+            return True, [], [p for p, c in costs if c]
         lean = [p for p, c in costs if c and need[p.pool_id] <= len(p.evictable)]
-        total = sum(c for p, c in costs if p not in lean)
+        costly = [p for p, c in costs if c and p not in lean]
+        total = sum(c for p, c in costs if p in costly)
         if total <= free:
-            return True, lean
-        spare = sum(q.reclaimable_bytes() for q in self.pools  # type: ignore[attr-defined]
-                    if not need.get(q.pool_id))
-        return total <= free + spare, lean
+            return True, lean, costly
+        spare = 0
+        for q in self.pools:
+            if q in costly or not q.evictable:
+                continue
+            k = need.get(q.pool_id, 0)  # it takes up to k of its oldest cached blocks first
+            rest = list(itertools.islice(q.evictable, k, None)) if k else q.evictable
+            spare += ledger.bytes_freed_by(q.pool_id, rest)  # type: ignore[union-attr]
+            if total <= free + spare:
+                return True, lean, costly
+        return False, lean, costly
 
     def _sync_ledger(self) -> None:
         """Synchronous engines: a call after a step's launch means that step finished."""

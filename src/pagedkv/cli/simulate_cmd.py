@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "multi-tenant caches; fast-single-tenant is a 64-bit hash anyone can "
                         "collide: one tenant only)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--fixed-pools", action="store_true",
+                        help="give every pool the plan's fixed size instead of sharing the "
+                        "budget by demand (elastic pools, the default)")
     ckpt = parser.add_mutually_exclusive_group()
     ckpt.add_argument("--checkpoint-every", type=positive_int, metavar="N",
                       help="recurrent groups whose model sets no checkpoints save their state "
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if requests is None:
         requests = make_workload(args.workload, args.requests, args.seed,
                                  plan.options.max_model_len)
-    manager = KVCacheManager.from_plan(plan, hash_algo=args.hash,
+    manager = KVCacheManager.from_plan(plan, hash_algo=args.hash, elastic=not args.fixed_pools,
                                        enable_caching=not args.no_prefix_caching,
                                        checked=True if args.checked else None,
                                        recurrent_checkpoint_every=0 if args.no_checkpoints
