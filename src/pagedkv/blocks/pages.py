@@ -15,7 +15,8 @@ still be reading it; ``cuMemUnmap`` does not wait for queued work). The engine r
 with :meth:`step_launched` / :meth:`step_finished` and, between steps, applies the
 :class:`UnmapOp` and :class:`MapOp` that :meth:`drain` returns. A finished step frees its
 pending pages' bytes at once; their unmaps come first in the next drain, so the device
-never holds more than the budget and the unmapped physical pages can serve the maps. Pages covering each pool's floor blocks are mapped at
+never holds more than the budget and the unmapped physical pages can serve the maps (a
+block used again before that drain cancels its page's unmap instead). Pages covering each pool's floor blocks are mapped at
 the start and never unmapped. The backing keeps :meth:`stock_wanted` pages pre-created so a
 map never waits for creation; those come out of the free bytes, never on top of the budget.
 
@@ -139,7 +140,7 @@ class PageLedger:
         self._held = 0
         self._maps: dict[tuple[PoolId, int], None] = {}  # queued, in order
         self._pending: dict[tuple[PoolId, int], int] = {}  # page -> step it waits for
-        self._unmaps: list[UnmapOp] = []  # step finished: to emit at the next drain
+        self._unmaps: dict[tuple[PoolId, int], UnmapOp] = {}  # to emit at the next drain
         self.launched = NO_STEP  # last step handed to the device
         self.finished = NO_STEP  # every step up to this one has finished
         for pid, p in self._pools.items():
@@ -214,15 +215,17 @@ class PageLedger:
 
     def bytes_to_use(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> int:
         """Bytes :meth:`use` of these blocks would newly map (0: they fit on held pages)."""
-        return len(self._new_pages(self._pool(pool_id), blocks)) * self.page_bytes
+        new = self._new_pages(self._pool(pool_id), blocks)
+        return len(new) * self.page_bytes if new else 0
 
     def use(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
         """These blocks now hold data: map their pages (revive pending ones). All or
         nothing: raises :class:`OutOfBlocksError` if the budget cannot hold the new pages."""
-        p = self._pool(pool_id)
-        blocks = list(blocks)
+        p = self._pools.get(pool_id) or self._pool(pool_id)
+        if not isinstance(blocks, (list, tuple, range)):
+            blocks = list(blocks)
         new = self._new_pages(p, blocks)
-        if len(new) > self.budget_pages - self._held:
+        if new and len(new) > self.budget_pages - self._held:
             raise OutOfBlocksError(
                 f"pool {pool_id}: {len(blocks)} blocks need {len(new)} new pages of "
                 f"{self.page_bytes} bytes, {self.budget_pages - self._held} left in the "
@@ -239,10 +242,13 @@ class PageLedger:
                 s = state[pg]
                 if s == _MAPPED:
                     continue
+                key = (pool_id, pg)
                 if s == _PENDING:
-                    del self._pending[(pool_id, pg)]
+                    del self._pending[key]
                 else:
-                    self._maps[(pool_id, pg)] = None
+                    # an unmap not yet drained is cancelled: the page never left the device
+                    if self._unmaps.pop(key, None) is None:
+                        self._maps[key] = None
                     p.held += 1
                     self._held += 1
                 state[pg] = _MAPPED
@@ -250,32 +256,34 @@ class PageLedger:
     def release(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
         """These blocks hold no data any more; pages left empty become pending (or, if
         their map was never applied, are dropped at once)."""
-        p = self._pool(pool_id)
+        p = self._pools.get(pool_id) or self._pool(pool_id)
         bb, pb = p.spec.block_bytes, self.page_bytes
-        used, count, state, floor = p.block_used, p.count, p.state, p.floor_pages
+        used, count, floor, ceiling = p.block_used, p.count, p.floor_pages, p.spec.ceiling_blocks
         for b in blocks:
-            self._check_block(p, b)
-            if not used[b]:
+            if not (0 <= b < ceiling and used[b]):
+                self._check_block(p, b)
                 raise CacheCorruptedError(f"pool {pool_id}: block {b} released but not in use")
             used[b] = 0
             for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
                 count[pg] -= 1
-                if count[pg] or pg < floor:
-                    continue
-                key = (pool_id, pg)
-                if key in self._maps:  # never reached the device
-                    del self._maps[key]
-                    state[pg] = _UNMAPPED
-                    p.held -= 1
-                    self._held -= 1
-                elif self.launched <= self.finished:  # nothing in flight can read it
-                    state[pg] = _UNMAPPED
-                    p.held -= 1
-                    self._held -= 1
-                    self._unmaps.append(UnmapOp(pool_id, pg, self.launched))
-                else:
-                    state[pg] = _PENDING
-                    self._pending[key] = self.launched
+                if not count[pg] and pg >= floor:
+                    self._emptied(p, pool_id, pg)
+
+    def _emptied(self, p: _PoolPages, pool_id: PoolId, pg: int) -> None:
+        key = (pool_id, pg)
+        if key in self._maps:  # never reached the device
+            del self._maps[key]
+            p.state[pg] = _UNMAPPED
+            p.held -= 1
+            self._held -= 1
+        elif self.launched <= self.finished:  # nothing in flight can read it
+            p.state[pg] = _UNMAPPED
+            p.held -= 1
+            self._held -= 1
+            self._unmaps[key] = UnmapOp(pool_id, pg, self.launched)
+        else:
+            p.state[pg] = _PENDING
+            self._pending[key] = self.launched
 
     def bytes_freed_by(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> int:
         """Bytes that would leave the budget (after the step in flight) if these blocks --
@@ -333,12 +341,12 @@ class PageLedger:
             p.state[pg] = _UNMAPPED
             p.held -= 1
             self._held -= 1
-            self._unmaps.append(UnmapOp(pid, pg, waited))
+            self._unmaps[key] = UnmapOp(pid, pg, waited)
 
     def drain(self) -> list[PageOp]:
         """The ops to apply now, between steps, in order: unmaps (their step finished;
         their bytes are already free in the ledger), then maps."""
-        out: list[PageOp] = list(self._unmaps)
+        out: list[PageOp] = list(self._unmaps.values())
         out.extend(MapOp(pid, pg) for pid, pg in self._maps)
         self._unmaps.clear()
         self._maps.clear()
@@ -370,6 +378,8 @@ class PageLedger:
                     bad.append(f"pool {pid}: pending page {pg} holds {count[pg]} blocks")
                 if (pid, pg) in self._maps and s != _MAPPED:
                     bad.append(f"pool {pid}: page {pg} queued to map but not held")
+                if (pid, pg) in self._unmaps and (s != _UNMAPPED or count[pg]):
+                    bad.append(f"pool {pid}: page {pg} queued to unmap but held")
             n = sum(1 for s in p.state if s != _UNMAPPED)
             if n != p.held:
                 bad.append(f"pool {pid}: holds {n} pages, counted {p.held}")
@@ -396,13 +406,17 @@ class PageLedger:
             raise InvalidArgumentError(
                 f"pool {p.spec.pool_id}: block {block} outside 0..{p.spec.ceiling_blocks - 1}")
 
-    def _new_pages(self, p: _PoolPages, blocks: Iterable[BlockId]) -> set[int]:
-        bb, pb = p.spec.block_bytes, self.page_bytes
+    def _new_pages(self, p: _PoolPages, blocks: Iterable[BlockId]) -> set[int] | None:
+        """Unmapped pages under these blocks (None: none)."""
+        bb, pb, ceiling = p.spec.block_bytes, self.page_bytes, p.spec.ceiling_blocks
         state = p.state
-        new: set[int] = set()
+        new: set[int] | None = None
         for b in blocks:
-            self._check_block(p, b)
+            if not 0 <= b < ceiling:
+                self._check_block(p, b)
             for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
                 if state[pg] == _UNMAPPED:
+                    if new is None:
+                        new = set()
                     new.add(pg)
         return new
