@@ -54,8 +54,10 @@ class VmmBacking(Backing):
         import torch
 
         self._torch = torch
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
-            else torch.device(device)
+        dev = torch.device("cuda") if device is None else torch.device(device)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         torch.zeros(1, device=self.device)  # the primary context exists and is current
         super().__init__(pools, page_bytes, steps if steps is not None else CudaSteps(self.device))
         d = self._d = cuda_driver()
