@@ -32,13 +32,16 @@ from pagedkv.errors import CacheCorruptedError, OutOfBlocksError
 class ElasticPool(BlockPool):
     """``num_blocks`` is the ceiling; ``floor`` blocks are always mapped (the ledger's)."""
 
-    __slots__ = ("ledger", "fresh", "block_bytes", "floor", "peers", "protected", "lean")
+    __slots__ = ("ledger", "fresh", "block_bytes", "floor", "peers", "protected", "lean",
+                 "worst_bytes")
 
     def __init__(self, num_blocks: int, pool_id: PoolId, events: EventLog | None,
                  reserve_null: bool, ledger: PageLedger, floor: int) -> None:
         super().__init__(num_blocks, pool_id, events, reserve_null)
         self.ledger = ledger
         self.block_bytes = ledger.pool_range(pool_id).block_bytes
+        page = ledger.page_bytes
+        self.worst_bytes = ((self.block_bytes + page - 1) // page + 1) * page  # one block, alone
         self.floor = floor
         # plain free ids: a min-heap of ids handed out before, plus every id >= fresh
         self.free = []
@@ -73,9 +76,7 @@ class ElasticPool(BlockPool):
         plain = self.num_plain_free()
         if not plain:
             return len(self.evictable)
-        page = self.ledger.page_bytes
-        worst = (self.block_bytes + page - 1) // page + 1
-        affordable = self.ledger.free_bytes() // page // worst
+        affordable = self.ledger.free_bytes() // self.worst_bytes
         b = self._lowest()
         if self.ledger.bytes_to_use(self.pool_id, (b,)) == 0:
             affordable += 1
@@ -174,14 +175,36 @@ class ElasticPool(BlockPool):
     def allocate(self, n: int, group_id: GroupId) -> list[BlockId]:
         ref = self.ref
         group = self.block_group
-        out = []
-        for _ in range(n):
-            b = self._take_one()
+        out = self._take_lowest(n)
+        while len(out) < n:
+            out.append(self._take_one())
+        for b in out:
             ref[b] = 1
             group[b] = group_id
-            out.append(b)
         self.used[group_id] += n
         return out
+
+    def _take_lowest(self, n: int) -> list[int]:
+        """The ``n`` lowest plain free ids at once when the budget maps all their pages
+        (the common case: one ledger call per allocation, not one per block); else none."""
+        if n > self.num_plain_free():
+            return []
+        if n == 1:
+            ids = [self._lowest()]
+        else:
+            ids = self._lowest_ids(n)
+        ledger = self.ledger
+        cost = ledger.bytes_to_use(self.pool_id, ids)
+        if cost and (cost > ledger.free_bytes() or (self.lean and self.evictable)):
+            return []
+        free = self.free
+        for b in ids:
+            if free and free[0] == b:
+                heapq.heappop(free)
+            else:  # the heap's ids all lie below the watermark: the rest come from it
+                self.fresh = b + 1
+        ledger.use(self.pool_id, ids)
+        return ids
 
     def release(self, blocks: list[BlockId], group_id: GroupId) -> None:
         ref = self.ref
@@ -189,6 +212,7 @@ class ElasticPool(BlockPool):
         evictable = self.evictable
         null = self.null
         freed = 0
+        plain = []
         try:
             for b in blocks:
                 if b == null:
@@ -198,7 +222,7 @@ class ElasticPool(BlockPool):
                     ref[b] = 0
                     freed += 1
                     if block_hash[b] is None:
-                        self._push_plain(b)
+                        plain.append(b)
                     else:
                         evictable[b] = None
                 elif r > 0:
@@ -207,6 +231,10 @@ class ElasticPool(BlockPool):
                     raise CacheCorruptedError(f"pool {self.pool_id}: block {b} released twice")
         finally:
             self.used[group_id] -= freed
+            if plain:
+                self.ledger.release(self.pool_id, plain)
+                for b in plain:
+                    heapq.heappush(self.free, b)
 
     def uncache(self, block: BlockId) -> None:
         h = self.block_hash[block]

@@ -152,6 +152,7 @@ class KVCacheManager:
             pid = m.pool.pool_id
             self._spare_by_pool[pid] = self._spare_by_pool.get(pid, ()) + (m,)
         self._pool_per_group = len({m.pool.pool_id for m in self.managers}) == len(self.managers)
+        self._pool_by_id = {p.pool_id: p for p in self.pools}
         self._reqs: dict[object, RequestState] = {}
         self.preemptions = 0
 
@@ -425,6 +426,15 @@ class KVCacheManager:
         cached blocks rather than map new pages (the budget is short); which map pages."""
         ledger = self.ledger
         free = ledger.free_bytes()  # type: ignore[union-attr]
+        worst = 0  # every new block on pages of its own: enough budget then, no more to ask
+        for pid, k in need.items():
+            pool = self._pool_by_id[pid]
+            if k > pool.num_plain_free():
+                break
+            worst += k * pool.worst_bytes  # type: ignore[attr-defined]
+        else:
+            if worst <= free:
+                return True, [], []
         costs: list[tuple[BlockPool, int]] = []
         total = 0
         for pool in self.pools:
