@@ -92,6 +92,11 @@ class Loop:
             self._admit()
 
 
+def _mean_p99(v: list[int]) -> str:
+    v = sorted(v)
+    return f"{sum(v) / len(v) / 1e3:.1f} / {v[min(len(v) - 1, len(v) * 99 // 100)] / 1e3:.1f}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backing", choices=["vmm", "tensor", "none"], default=None,
@@ -154,6 +159,17 @@ def main(argv=None) -> int:
 
     cycles = int(args.gpu_step_us * 1980)  # H200 SM clock ~1.98 GHz under load
     mem = make_mem()
+    op_ns: dict[str, list[int]] = {"map": [], "unmap": [], "set_stock": []}
+    if mem is not None:  # time each backing call (a wrapper: a few hundred ns each)
+        def timer(f, out):
+            def timed(*a):
+                t = ns()
+                f(*a)
+                out.append(ns() - t)
+            return timed
+
+        for name in op_ns:
+            setattr(mem.backing, name, timer(getattr(mem.backing, name), op_ns[name]))
     paged = Loop(args, True, mem)
     base = Loop(args, False, None)
     t_base, t_paged, t_between = [], [], []
@@ -201,6 +217,7 @@ def main(argv=None) -> int:
         "between_steps_p50_us": q[49] / 1e3, "between_steps_p99_us": q[98] / 1e3,
         "maps_per_step": maps / n, "unmaps_per_step": unmaps / n,
         "created_in_map": mem.backing.stats["created_in_map"] if mem else 0,
+        **{f"{k}_us_mean_p99": _mean_p99(v) for k, v in op_ns.items() if v},
         "mapped_gib_end": (mem.ledger if mem else args.ledger_only).mapped_bytes() / 2**30,
         "machine": platform.node(), "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
