@@ -137,3 +137,21 @@ def test_ledger_and_backing_between_steps():
     led.release(0, [0])
     mem.between_steps()
     assert b.mapped_pages() == {(0, 0)}
+
+
+def test_ledger_and_backing_must_agree_and_steps_go_forward():
+    led = PageLedger(POOLS, budget_bytes=6 * PAGE, page_bytes=PAGE)
+    with pytest.raises(InvalidArgumentError, match="pages of 64 bytes, backing pages of 32"):
+        PhysicalMemory(led, TensorBacking(POOLS, page_bytes=32))
+    other = [POOLS[0], PoolRange(1, block_bytes=80, ceiling_blocks=3)]
+    with pytest.raises(InvalidArgumentError, match=r"pools \[1\] differ"):
+        PhysicalMemory(led, TensorBacking(other, page_bytes=PAGE))
+    steps = ManualSteps()
+    steps.record(3)
+    with pytest.raises(InvalidArgumentError, match="step 3 recorded after step 3"):
+        steps.record(3)
+    with pytest.raises(InvalidArgumentError, match="step 4 completed"):
+        steps.complete(4)
+    assert not steps.wait(3)
+    steps.complete(3)
+    assert steps.wait(3) and steps.finished() == 3
