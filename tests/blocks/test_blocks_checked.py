@@ -59,9 +59,11 @@ def test_the_sweep_runs_every_n_calls_on_its_own():
         m.commit("a", 8, [1])  # call 4: the sweep
 
 
-def test_a_call_that_breaks_the_pool_counters_is_caught_at_once():
+def test_the_next_call_that_moves_blocks_of_a_pool_with_broken_counters_is_caught():
     m = KVCacheManager(full_only(), checked=True, sweep_every=10**9, max_batched_tokens=64)
     run_one(m, "a")
     m.pools[0].free.pop()  # a free block vanishes
+    m.add_request("b", [1, 2, 3])  # moves no block: counters are not looked at
+    m.find_cached_prefix("b")
     with pytest.raises(CacheCorruptedError, match="free \\+ used = total"):
-        m.add_request("b", [1, 2, 3])
+        m.allocate("b", 3)

@@ -161,10 +161,12 @@ class CheckedKVCacheManager(KVCacheManager):
         else:
             touched = [ids] if ids in reqs else []
         for pool in self.pools:
-            checks.pool_counters(pool)
-            for b in pool.touched:  # type: ignore[attr-defined]
-                checks.block_state(pool, b)
-            pool.touched.clear()  # type: ignore[attr-defined]
+            blocks = pool.touched  # type: ignore[attr-defined]
+            if blocks:  # counters move only when blocks do
+                checks.pool_counters(pool)
+                for b in blocks:
+                    checks.block_state(pool, b)
+                blocks.clear()
         seen = self._seen
         for rid in touched:
             req = reqs[rid]

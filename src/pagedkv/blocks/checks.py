@@ -128,17 +128,20 @@ def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
 
 
 # --- incremental checks --------------------------------------------------------------
+# Each test is a plain comparison; the message is built only on a violation (these run
+# after every call of checked mode).
 
 def pool_counters(pool: BlockPool) -> None:
     """O(groups): every usable block is free, cached-free or used, exactly once in total."""
     used = sum(pool.used.values())
     plain = pool.num_plain_free()
-    _require(plain + len(pool.evictable) + used == pool.usable, "free + used = total",
-             f"pool {pool.pool_id}: {plain} free + {len(pool.evictable)} evictable + "
-             f"{used} used != {pool.usable}")
+    if plain + len(pool.evictable) + used != pool.usable:
+        _require(False, "free + used = total",
+                 f"pool {pool.pool_id}: {plain} free + {len(pool.evictable)} evictable + "
+                 f"{used} used != {pool.usable}")
     ledger = getattr(pool, "ledger", None)
-    if ledger is not None:
-        _require(ledger.mapped_bytes() <= ledger.budget_bytes, "mapped bytes within the budget",
+    if ledger is not None and ledger.mapped_bytes() > ledger.budget_bytes:
+        _require(False, "mapped bytes within the budget",
                  f"{ledger.mapped_bytes()} > {ledger.budget_bytes}")
 
 
@@ -146,34 +149,39 @@ def block_state(pool: BlockPool, b: int) -> None:
     """O(1): block ``b``'s reference count, hash, LRU membership and map entry agree."""
     pid = pool.pool_id
     if b == pool.null:
-        _require(pool.ref[b] == 0 and b not in pool.evictable, "null block never allocated",
-                 f"pool {pid}")
+        if pool.ref[b] != 0 or b in pool.evictable:
+            _require(False, "null block never allocated", f"pool {pid}")
         return
-    _require(pool.first <= b < pool.num_blocks, "blocks belong to their pool",
-             f"pool {pid}: block id {b}")
+    if not pool.first <= b < pool.num_blocks:
+        _require(False, "blocks belong to their pool", f"pool {pid}: block id {b}")
     ref = pool.ref[b]
     h = pool.block_hash[b]
-    _require(ref >= 0, "reference counts equal owners", f"pool {pid} block {b}: ref {ref}")
+    if ref < 0:
+        _require(False, "reference counts equal owners", f"pool {pid} block {b}: ref {ref}")
     if ref == 0:
-        _require((b in pool.evictable) == (h is not None),
-                 "evictable blocks are cached and unreferenced" if h is not None
-                 else "plain free blocks carry no hash", f"pool {pid} block {b}")
+        if (b in pool.evictable) != (h is not None):
+            _require(False, "evictable blocks are cached and unreferenced" if h is not None
+                     else "plain free blocks carry no hash", f"pool {pid} block {b}")
     else:
-        _require(b not in pool.evictable, "evictable blocks are cached and unreferenced",
-                 f"pool {pid} block {b} has ref {ref} and sits in the LRU")
-        _require(ref == 1 or h is not None, "only cached blocks are shared",
-                 f"pool {pid} block {b} has {ref} owners and no hash")
+        if b in pool.evictable:
+            _require(False, "evictable blocks are cached and unreferenced",
+                     f"pool {pid} block {b} has ref {ref} and sits in the LRU")
+        if ref > 1 and h is None:
+            _require(False, "only cached blocks are shared",
+                     f"pool {pid} block {b} has {ref} owners and no hash")
     if h is not None:
         g = pool.block_group[b]
-        _require(pool.caches.get(g, {}).get(h) == b, "hash map consistent with block hashes",
-                 f"pool {pid} group {g}: block {b} holds a hash that maps elsewhere")
+        if pool.caches.get(g, {}).get(h) != b:
+            _require(False, "hash map consistent with block hashes",
+                     f"pool {pid} group {g}: block {b} holds a hash that maps elsewhere")
     ledger = getattr(pool, "ledger", None)
     if ledger is not None:
         data = ref > 0 or h is not None
-        _require(ledger.holds_data(pid, b) == data, "the page ledger knows which blocks hold data",
-                 f"pool {pid} block {b}: ledger {ledger.holds_data(pid, b)}, pool {data}")
-        if data:
-            _require(ledger.is_mapped(pid, b), "blocks holding data lie on mapped pages",
+        if ledger.holds_data(pid, b) != data:
+            _require(False, "the page ledger knows which blocks hold data",
+                     f"pool {pid} block {b}: ledger {ledger.holds_data(pid, b)}, pool {data}")
+        if data and not ledger.is_mapped(pid, b):
+            _require(False, "blocks holding data lie on mapped pages",
                      f"pool {pid} block {b} (ref {ref}) is on an unmapped page")
 
 
@@ -181,8 +189,9 @@ def request_tail(mgr: KVCacheManager, req: RequestState,
                  seen: list[tuple[int, int]] | None) -> None:
     """What a call can have changed in one request: progress, the table entries past the
     length seen at the last check (and the last one), the newly cached prefix's hashes."""
-    _require(0 <= req.num_computed <= len(req.tokens), "progress within tokens",
-             f"request {req.id!r}: {req.num_computed} computed of {len(req.tokens)}")
+    if not 0 <= req.num_computed <= len(req.tokens):
+        _require(False, "progress within tokens",
+                 f"request {req.id!r}: {req.num_computed} computed of {len(req.tokens)}")
     for m in mgr.managers:
         i = m.index
         table = req.tables[i]
@@ -190,26 +199,28 @@ def request_tail(mgr: KVCacheManager, req: RequestState,
         old_len, old_cached = seen[i] if seen is not None else (0, 0)
         start = max(0, min(old_len, len(table)) - 1)
         null = pool.null
+        first, top, group, ref = pool.first, pool.num_blocks, pool.block_group, pool.ref
+        gid = m.gid
         for b in table[start:]:
-            if b == null:
-                continue
-            ok = pool.first <= b < pool.num_blocks
-            _require(ok and pool.block_group[b] == m.gid and pool.ref[b] > 0,
-                     "blocks belong to their group",
-                     f"request {req.id!r} group {m.gid} holds block {b} "
-                     f"(group {pool.block_group[b] if ok else '?'}, ref "
-                     f"{pool.ref[b] if ok else '?'})")
+            if b != null and not (first <= b < top and group[b] == gid and ref[b] > 0):
+                ok = first <= b < top
+                _require(False, "blocks belong to their group",
+                         f"request {req.id!r} group {gid} holds block {b} "
+                         f"(group {group[b] if ok else '?'}, ref {ref[b] if ok else '?'})")
         if m.holds_tokens:
-            _require(len(table) * m.bs >= req.num_computed or not table and not req.num_computed,
-                     "computed tokens have slots",
-                     f"request {req.id!r} group {m.gid}: {len(table)} blocks of {m.bs} for "
-                     f"{req.num_computed} computed tokens")
-            hashes = req.hashes.get(m.bs, [])
-            for j in range(min(old_cached, req.ncached[i]),
-                           min(req.ncached[i], len(table), len(hashes))):
-                b = table[j]
-                h = pool.block_hash[b] if b != null else None
-                if h is not None:
-                    _require(h == m.key(req, j), "hash map consistent with block contents",
-                             f"request {req.id!r} group {m.gid} block {j} (id {b}) is "
-                             "cached under a hash of other tokens")
+            if len(table) * m.bs < req.num_computed and (table or req.num_computed):
+                _require(False, "computed tokens have slots",
+                         f"request {req.id!r} group {gid}: {len(table)} blocks of {m.bs} for "
+                         f"{req.num_computed} computed tokens")
+            stop = req.ncached[i]
+            lo = min(old_cached, stop)
+            if lo < stop:
+                hashes = req.hashes.get(m.bs, [])
+                block_hash = pool.block_hash
+                for j in range(lo, min(stop, len(table), len(hashes))):
+                    b = table[j]
+                    h = block_hash[b] if b != null else None
+                    if h is not None and h != m.key(req, j):
+                        _require(False, "hash map consistent with block contents",
+                                 f"request {req.id!r} group {gid} block {j} (id {b}) is "
+                                 "cached under a hash of other tokens")

@@ -67,7 +67,8 @@ class KVCacheManager:
     the usable blocks equal the plan's. ``checked`` (default: env ``PAGEDKV_DEBUG=1``) builds a
     :class:`~pagedkv.blocks.checked.CheckedKVCacheManager` instead, which verifies the
     invariants each call touched after every call and sweeps everything every
-    ``sweep_every`` calls (1: a full sweep after every call, as the tests do). Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
+    ``sweep_every`` calls (default: about once per two block ids of all pools, at least
+    every 1,024 calls; 1: after every call, as the tests do). Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
     only): ``recurrent_checkpoint_every`` None = the default :class:`CheckpointPolicy`
     (branch points, prompt ends, newest decoded block), N > 0 = every N blocks and nowhere
     else, 0 = none; ``checkpoint_policy`` overrides both. A retention's own interval wins.
@@ -96,7 +97,7 @@ class KVCacheManager:
                  checked: bool | None = None, events: bool = False,
                  recurrent_checkpoint_every: int | None = None,
                  checkpoint_policy: CheckpointPolicy | None = None,
-                 sweep_every: int = 1024, budget_bytes: int | None = None,
+                 sweep_every: int | None = None, budget_bytes: int | None = None,
                  pool_bytes: Mapping[int, int] | None = None,
                  ceilings: Mapping[int, int] | None = None,
                  page_bytes: int = PHYSICAL_PAGE_BYTES, sync_steps: bool = True) -> None:
@@ -109,9 +110,8 @@ class KVCacheManager:
         self.max_batched_tokens = max_batched_tokens
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
-        if not isinstance(sweep_every, int) or sweep_every <= 0:
+        if sweep_every is not None and (not isinstance(sweep_every, int) or sweep_every <= 0):
             raise InvalidArgumentError(f"sweep_every must be a positive integer, got {sweep_every!r}")
-        self.sweep_every = sweep_every
         if not isinstance(hash_secret, bytes):
             raise InvalidArgumentError(f"hash_secret must be bytes, got {type(hash_secret).__name__}")
         self.hash_secret = hash_secret
@@ -153,6 +153,9 @@ class KVCacheManager:
             self._spare_by_pool[pid] = self._spare_by_pool.get(pid, ()) + (m,)
         self._pool_per_group = len({m.pool.pool_id for m in self.managers}) == len(self.managers)
         self._pool_by_id = {p.pool_id: p for p in self.pools}
+        # the full sweep walks every block id: by default it runs about once per that many
+        # calls (at least every 1,024), so its cost per call stays a small constant
+        self.sweep_every = sweep_every or max(1024, sum(p.num_blocks for p in self.pools) // 2)
         self._reqs: dict[object, RequestState] = {}
         self.preemptions = 0
 
