@@ -155,3 +155,37 @@ def test_ledger_and_backing_must_agree_and_steps_go_forward():
     assert not steps.wait(3)
     steps.complete(3)
     assert steps.wait(3) and steps.finished() == 3
+
+
+def test_split_around_the_launch_keeps_only_maps_before_it():
+    led = PageLedger(POOLS, budget_bytes=6 * PAGE, page_bytes=PAGE, stock_pages=1)
+    steps = ManualSteps()
+    mem = PhysicalMemory(led, TensorBacking(POOLS, page_bytes=PAGE, steps=steps))
+    b = mem.backing
+    led.use(0, [3, 4])  # bytes 144..239: pages 2, 3
+    mem.before_launch()
+    mem.after_launch(0)
+    led.release(0, [3, 4])
+    steps.complete(0)
+    led.use(0, [7])  # bytes 336..383: page 5
+    ops = mem.before_launch()
+    assert ops == [UnmapOp(0, 2, 0), UnmapOp(0, 3, 0), MapOp(0, 5)]
+    assert b.mapped_pages() == {(0, 0), (0, 2), (0, 3), (0, 5)}  # the map came from stock
+    assert b.physical_pages <= 6
+    mem.after_launch(1)
+    assert b.mapped_pages() == {(0, 0), (0, 5)} and b.stock == 1
+    # with an empty stock, as many unmaps as maps need go first
+    led2 = PageLedger(POOLS, budget_bytes=3 * PAGE, page_bytes=PAGE, stock_pages=0)
+    mem2 = PhysicalMemory(led2, TensorBacking(POOLS, page_bytes=PAGE, steps=ManualSteps(True)))
+    led2.use(0, [3, 4])  # pages 2, 3: with the floor's page 0, the whole budget
+    mem2.before_launch()
+    mem2.after_launch(0)
+    led2.release(0, [3, 4])
+    assert led2.free_bytes() == 0 and led2.pending_bytes() == 2 * PAGE
+    led2.step_finished(0)  # what the next poll would learn
+    led2.use(0, [6, 7])  # bytes 288..383: pages 4, 5
+    assert mem2.before_launch() == [UnmapOp(0, 2, 0), UnmapOp(0, 3, 0), MapOp(0, 4),
+                                    MapOp(0, 5)]
+    # pages 0, 2, 3 were created in their maps (no stock); 4 and 5 reuse 2 and 3
+    assert mem2.backing.physical_pages == 3 and mem2.backing.stats["created_in_map"] == 3
+    assert mem2.backing.mapped_pages() == {(0, 0), (0, 4), (0, 5)}

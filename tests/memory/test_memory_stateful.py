@@ -1,7 +1,7 @@
 """Stateful property test: the page ledger driving a tensor backing, bytes and all.
 
 Random use (then write a fresh byte into every byte of the block) / release / launch /
-complete / between-steps sequences over a straddling pool and a multi-page slot pool.
+complete / between-steps (or before-launch + after-launch) sequences over a straddling pool and a multi-page slot pool.
 Invariants: every block holding data reads back exactly what was written to it, however
 its pages moved; physical pages (mapped + stock) never exceed the budget; the backing's
 mapped pages are the ledger's held pages after each between-steps; the backing never
@@ -69,6 +69,18 @@ class BytesMachine(RuleBasedStateMachine):
     @rule()
     def between_steps(self):
         self.mem.between_steps()
+        self._write()
+
+    @rule()
+    def launch_split(self):
+        """Maps before the launch, deferred unmaps and the stock after it."""
+        self.mem.before_launch()
+        self._write()
+        assert self.mem.backing.physical_pages <= self.budget
+        self.step += 1
+        self.mem.after_launch(self.step)
+
+    def _write(self):
         for pool, block in sorted(self.unwritten):
             self.value = (self.value + 37) % 251
             self._bytes(pool, block).fill_(self.value)
