@@ -194,8 +194,11 @@ class ElasticPool(BlockPool):
         else:
             ids = self._lowest_ids(n)
         ledger = self.ledger
-        cost = ledger.bytes_to_use(self.pool_id, ids)
-        if cost and (cost > ledger.free_bytes() or (self.lean and self.evictable)):
+        if self.lean and self.evictable and ledger.bytes_to_use(self.pool_id, ids):
+            return []  # the budget is short: this pool reuses its own cached blocks first
+        try:
+            ledger.use(self.pool_id, ids)  # all or nothing
+        except OutOfBlocksError:
             return []
         free = self.free
         for b in ids:
@@ -203,7 +206,6 @@ class ElasticPool(BlockPool):
                 heapq.heappop(free)
             else:  # the heap's ids all lie below the watermark: the rest come from it
                 self.fresh = b + 1
-        ledger.use(self.pool_id, ids)
         return ids
 
     def release(self, blocks: list[BlockId], group_id: GroupId) -> None:
