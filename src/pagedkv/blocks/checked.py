@@ -170,8 +170,13 @@ class CheckedKVCacheManager(KVCacheManager):
         seen = self._seen
         for rid in touched:
             req = reqs[rid]
-            checks.request_tail(self, req, seen.get(rid))
-            seen[rid] = self._shape(req)
+            shape = self._shape(req)
+            before = seen.get(rid)
+            if shape == before:  # no table grew, shrank or cached more: progress only
+                checks.progress(req)
+                continue
+            checks.request_tail(self, req, before)
+            seen[rid] = shape
         if len(seen) > 2 * len(reqs) + 64:  # forget finished requests now and then
             self._seen = {rid: v for rid, v in seen.items() if rid in reqs}
 

@@ -185,6 +185,13 @@ def block_state(pool: BlockPool, b: int) -> None:
                      f"pool {pid} block {b} (ref {ref}) is on an unmapped page")
 
 
+def progress(req: RequestState) -> None:
+    """O(1): a request's computed tokens lie within its known tokens."""
+    if not 0 <= req.num_computed <= len(req.tokens):
+        _require(False, "progress within tokens",
+                 f"request {req.id!r}: {req.num_computed} computed of {len(req.tokens)}")
+
+
 def request_tail(mgr: KVCacheManager, req: RequestState,
                  seen: list[tuple[int, int]] | None) -> None:
     """What a call can have changed in one request: progress, the table entries past the
