@@ -167,3 +167,23 @@ def test_a_request_of_max_model_len_always_fits_in_the_floors():
     assert m.allocate("x", 15)
     m.commit("x", 15, [1])
     assert m.mapped_bytes() == m.floor_bytes() == m.ledger.budget_bytes
+
+
+def test_an_engine_that_reports_steps_itself_keeps_the_manager_out_of_them():
+    groups = [group(0, Full(), 4, 1, max_model_len=8)]
+    m = KVCacheManager(groups, max_model_len=64, max_batched_tokens=64, checked=True,
+                       sweep_every=1, budget_bytes=8 * 32 * KIB, page_bytes=32 * KIB,
+                       own_steps=False, stock_pages=3, enable_caching=False)
+    assert m.ledger.stock_wanted() == 3
+    m.add_request("a", list(range(16)))
+    m.find_cached_prefix("a")
+    assert m.allocate("a", 16)
+    assert m.drain_page_ops() == [MapOp(0, 0), MapOp(0, 1)]  # page 1 reaches the device
+    m.drain_copy_ops()
+    assert m.ledger.launched == -1  # PhysicalMemory launches and finishes steps
+    m.ledger.step_launched(0)
+    m.commit("a", 16, [5])
+    m.free("a")
+    assert m.mapped_bytes() == 2 * 32 * KIB  # waits for step 0, which nobody finished
+    m.ledger.step_finished(0)
+    assert m.mapped_bytes() == m.floor_bytes()

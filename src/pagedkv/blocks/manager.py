@@ -72,6 +72,11 @@ class KVCacheManager:
     only): ``recurrent_checkpoint_every`` None = the default :class:`CheckpointPolicy`
     (branch points, prompt ends, newest decoded block), N > 0 = every N blocks and nowhere
     else, 0 = none; ``checkpoint_policy`` overrides both. A retention's own interval wins.
+    Elastic pools (``budget_bytes``; ``from_plan`` by default): see docs/blocks.md. Steps:
+    ``own_steps`` (default) -- ``drain_copy_ops`` launches a step, and with ``sync_steps`` the
+    next call means it finished (else the engine calls ``step_finished``); ``own_steps=False``
+    when :class:`pagedkv.memory.PhysicalMemory` reports steps to the ledger itself.
+    ``stock_pages``: spare physical pages the backing keeps created.
     ``hash_algo``: block keys (:mod:`pagedkv.blocks.hashing`; the default is safe for a
     multi-tenant cache, ``"fast-single-tenant"`` is not); ``hash_secret``: a per-deployment
     key folded into every chain, so keys cannot be computed without it.
@@ -100,7 +105,8 @@ class KVCacheManager:
                  sweep_every: int | None = None, budget_bytes: int | None = None,
                  pool_bytes: Mapping[int, int] | None = None,
                  ceilings: Mapping[int, int] | None = None,
-                 page_bytes: int = PHYSICAL_PAGE_BYTES, sync_steps: bool = True) -> None:
+                 page_bytes: int = PHYSICAL_PAGE_BYTES, sync_steps: bool = True,
+                 own_steps: bool = True, stock_pages: int = 4) -> None:
         if not groups:
             raise InvalidArgumentError("a block manager needs at least one group")
         if max_batched_tokens <= 0:
@@ -118,7 +124,9 @@ class KVCacheManager:
         self.event_log = EventLog(events)
         self.ledger: PageLedger | None = None
         self.bounds: tuple[PoolBounds, ...] = ()
-        self.sync_steps = sync_steps
+        self.sync_steps = sync_steps and own_steps
+        self.own_steps = own_steps
+        self.stock_pages = stock_pages
         self._step = NO_STEP
         if budget_bytes is None:
             self.pools = self._make_pools(pools)
@@ -232,7 +240,7 @@ class KVCacheManager:
                 if b.pool_id in ceilings else b for b in self.bounds)
         self.ledger = PageLedger(
             [PoolRange(PoolId(b.pool_id), b.block_bytes, b.ceiling_blocks, b.floor_blocks)
-             for b in self.bounds], budget, page_bytes, stock_pages=0)
+             for b in self.bounds], budget, page_bytes, stock_pages=self.stock_pages)
         sized = {b.pool_id: (spec[b.pool_id][0], b.ceiling_blocks) for b in self.bounds}
         floors = {b.pool_id: b.floor_blocks for b in self.bounds}
         pools = self._make_pools(sized, lambda num, pid, events, reserve_null: self.elastic_pool_class(
@@ -621,7 +629,7 @@ class KVCacheManager:
                 m.ops = []
         for m in self._recurrent_managers:
             m.handed_out()  # the engine will write these saves: no longer cancellable
-        if self.ledger is not None:  # the step is launched: pages emptied now wait for it
+        if self.ledger is not None and self.own_steps:  # launched: emptied pages wait for it
             self._sync_ledger()
             self._step += 1
             self.ledger.step_launched(self._step)
