@@ -12,10 +12,15 @@
    ``allocate`` (64 hit blocks of 16 tokens), and the lookup alone (the prompt's blocks
    are hashed by ``add_request``, as vLLM hashes them when it creates the Request).
 3. Hashing throughput of each algorithm, tokens per second (block size 16 and 64).
-4. The vLLM-shaped continuous-batching loop (``--loop``): same workload as
-   ../shared/peers/vllm_blocks_bench.py, timing each manager call.
+4. The vLLM-shaped continuous-batching loop (``--only loop``): same workload as
+   ../shared/peers/vllm_blocks_bench.py, timing each manager call (hash x elastic/fixed).
+5. ``--only vllm``: that loop against vLLM 0.34.0's own manager (the peer harness, in its
+   venv), interleaved rounds in one window; total manager time per request, hashing
+   included, with pagedkv's default hash and with the fast single-tenant one.
+6. ``--only checked``: a simulate run unchecked vs checked mode (incremental checks).
+7. ``--only sim``: the issue's simulator runs, elastic pools against fixed pools.
 
-Usage: python benchmarks/blocks.py [--quick] [--json]
+Usage: python benchmarks/blocks.py [--quick] [--json] [--only PART]
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
+import statistics
+import subprocess
 import sys
 import time
 
 from pagedkv.blocks import KVCacheManager
-from pagedkv.blocks.hashing import HASH_ALGOS, hash_extender
+from pagedkv.blocks.hashing import DEFAULT_HASH, FAST_HASH, HASH_ALGOS, hash_extender
 from pagedkv.kvspec import AttentionKV, Full, LayerSpec, SlidingWindow
 from pagedkv.kvspec.attention import Attention
 from pagedkv.plan.types import Group
@@ -142,14 +150,21 @@ def bench_hash(num_tokens: int = 1 << 20) -> list[dict]:
 
 def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 20000,
                token_budget: int = 8192, prefix: int = 1024, suffix: int = 256,
-               decode: int = 128, bs: int = 16, seed: int = 0) -> dict:
-    """The peer script's loop, call for call, with pagedkv's manager."""
+               decode: int = 128, bs: int = 16, seed: int = 0, hash_algo: str = DEFAULT_HASH,
+               elastic: bool = True) -> dict:
+    """The peer script's loop, call for call, with pagedkv's manager (elastic: one budget
+    of ``num_blocks`` blocks' bytes, mapped in 2 MiB pages as blocks fill)."""
     rng = random.Random(seed)
     system = [rng.randrange(128000) for _ in range(prefix)]
     suffixes = [[rng.randrange(128000) for _ in range(suffix)] for _ in range(requests)]
     out_tokens = [rng.randrange(128000) for _ in range(4096)]
-    mgr = KVCacheManager(groups_for("one", num_blocks, bs), max_batched_tokens=token_budget,
-                         checked=False)
+    groups = groups_for("one", num_blocks, bs)
+    extra: dict = {}
+    if elastic:
+        extra = {"budget_bytes": num_blocks * groups[0].page_bytes,
+                 "max_model_len": prefix + suffix + decode + 64}
+    mgr = KVCacheManager(groups, max_batched_tokens=token_budget, checked=False,
+                         hash_algo=hash_algo, **extra)
     t = {"lookup": [0, 0], "alloc_prefill": [0, 0], "alloc_decode": [0, 0], "commit": [0, 0],
          "free": [0, 0], "add_request": [0, 0]}
 
@@ -212,8 +227,9 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
             admitted += 1
             running.append(r)
         for r, n in scheduled:
+            tok = [out_tokens[(mgr.num_tokens(r)) & 4095]]  # the "sampler", outside the timer
             a = ns()
-            mgr.commit(r, n, [out_tokens[(mgr.num_tokens(r)) & 4095]])
+            mgr.commit(r, n, tok)
             add("commit", ns() - a)
             outputs[r] += 1
         still = []
@@ -228,8 +244,13 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
         running = still
     wall = time.perf_counter() - t_start
     gc.unfreeze()
+    total_ns = sum(v[1] for v in t.values())
     return {
-        "requests": requests, "steps": steps, "wall_s": round(wall, 3),
+        "requests": requests, "steps": steps, "wall_s": round(wall, 3), "hash": hash_algo,
+        "elastic": elastic,
+        # every manager call, hashing included (add_request hashes the prompt, commit the
+        # generated blocks), per finished request
+        "total_us_per_request": round(total_ns / 1e3 / requests, 2),
         "calls_us": {k: {"calls": c, "mean_us": round(s / c / 1e3, 3) if c else None}
                      for k, (c, s) in t.items()},
         "decode_us_per_request_step": round((t["alloc_decode"][1] + t["commit"][1]
@@ -240,11 +261,105 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
     }
 
 
+PEER = "/work/shared/peers/vllm_blocks_bench.py"
+
+
+def vllm_total_us_per_request(python: str, requests: int) -> dict:
+    """One run of the peer harness (vLLM 0.34.0's KVCacheManager, its default sha256 block
+    hash): every manager call plus the Request hashing of prompts and of appended tokens
+    (vLLM hashes there what pagedkv hashes in add_request / commit), per request."""
+    out = subprocess.run([python, PEER, "--requests", str(requests), "--json"], check=True,
+                         capture_output=True, text=True).stdout
+    res = json.loads(out[out.index("{"):])
+    total_s = (res["manager_time_s"] + res["request_init_with_prompt_hashing"]["total_s"]
+               + res["append_output_token_ids_with_hashing"]["total_s"])
+    return {"total_us_per_request": round(total_s * 1e6 / res["requests_finished"], 2),
+            "manager_calls_us_per_request": round(res["manager_time_s"] * 1e6
+                                                  / res["requests_finished"], 2),
+            "cache_hit_rate_tokens": res["cache_hit_rate_tokens"],
+            "preemptions": res["preemptions"]}
+
+
+def bench_vs_vllm(python: str, rounds: int, requests: int) -> dict:
+    """Interleaved rounds in one window: vLLM, pagedkv with the default hash, pagedkv with
+    the fast single-tenant hash; ratios of the medians of total time per request."""
+    runs: dict[str, list[dict]] = {"vllm_sha256": [], DEFAULT_HASH: [], FAST_HASH: []}
+    loads = [os.getloadavg()[0]]
+    for _ in range(rounds):
+        runs["vllm_sha256"].append(vllm_total_us_per_request(python, requests))
+        for algo in (DEFAULT_HASH, FAST_HASH):
+            runs[algo].append(bench_loop(requests, hash_algo=algo))
+        loads.append(os.getloadavg()[0])
+    med = {k: statistics.median(r["total_us_per_request"] for r in v) for k, v in runs.items()}
+    return {
+        "rounds": rounds, "requests": requests,
+        "load_avg_1min": [round(x, 2) for x in loads], "cpus": os.cpu_count(),
+        "median_total_us_per_request": med,
+        "ratio_default_hash_vs_vllm": round(med[DEFAULT_HASH] / med["vllm_sha256"], 4),
+        "ratio_fast_hash_vs_vllm": round(med[FAST_HASH] / med["vllm_sha256"], 4),
+        "hit_rates": {k: [r["cache_hit_rate_tokens"] for r in v] for k, v in runs.items()},
+        "runs": runs,
+    }
+
+
+def bench_checked(requests: int = 100) -> dict:
+    """pagedkv simulate's gemma-3-27b chat run (40 GiB), unchecked vs checked mode."""
+    from pagedkv.models import load_model
+    from pagedkv.plan import PlanOptions, make_plan
+    from pagedkv.sim import SimOptions, make_workload, simulate
+
+    spec = load_model("gemma-3-27b")
+    plan = make_plan(spec.layers, PlanOptions(40 << 30, spec.max_position_embeddings))
+    reqs = make_workload("chat", requests, 1, plan.options.max_model_len)
+    out = {}
+    for checked in (False, True, False, True):
+        m = KVCacheManager.from_plan(plan, checked=checked)
+        t0 = time.perf_counter()
+        simulate(m, reqs, SimOptions(seed=1))
+        out.setdefault("checked" if checked else "unchecked", []).append(
+            round(time.perf_counter() - t0, 3))
+    out["ratio_checked_vs_unchecked"] = round(min(out["checked"]) / min(out["unchecked"]), 2)
+    return out
+
+
+def bench_sim() -> list[dict]:
+    """The issue's simulator runs: elastic pools (default) against fixed pools."""
+    from pagedkv.models import load_model
+    from pagedkv.plan import PlanOptions, make_plan
+    from pagedkv.sim import SimOptions, make_workload, simulate
+
+    cases = [("kimi-k3", "kimi-k3-dspark", 120 << 30, "chat", 200,
+              SimOptions(spec_tokens=7, acceptance=0.6, seed=1), None),
+             ("kimi-k3", "kimi-k3-dspark", 120 << 30, "chat", 200,
+              SimOptions(spec_tokens=7, acceptance=0.6, seed=1), 4096),
+             ("gemma-3-27b", None, 40 << 30, "chat", 200, SimOptions(seed=1), None),
+             ("kimi-k3", "kimi-k3-dspark", 120 << 30, "long-context", 40, SimOptions(seed=1),
+              None)]
+    out = []
+    for model, draft, budget, workload, n, opts, typical in cases:
+        spec = load_model(model, draft)
+        plan = make_plan(spec.layers, PlanOptions(budget, spec.max_position_embeddings,
+                                                  typical_len=typical))
+        reqs = make_workload(workload, n, opts.seed, plan.options.max_model_len)
+        for elastic in ((False,) if typical else (False, True)):
+            r = simulate(KVCacheManager.from_plan(plan, elastic=elastic), reqs, opts)
+            out.append({"model": model, "draft": draft, "budget_gib": budget >> 30,
+                        "workload": workload, "requests": n, "typical_len": typical,
+                        "pools": "elastic" if elastic else "fixed", "steps": r.steps,
+                        "prefix_hit_rate": round(r.prefix_hit_rate, 4),
+                        "preemptions": r.preemptions, "finished": r.requests_finished})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--only", choices=("decode", "admission", "hash", "loop"))
+    ap.add_argument("--only", choices=("decode", "admission", "hash", "loop", "vllm", "checked",
+                                       "sim"))
+    ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python",
+                    help="the peer venv's python (../shared/peers/setup_vllm_peer.sh)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds against vLLM")
     args = ap.parse_args(argv)
     steps = 32 if args.quick else 256
     res: dict = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -257,7 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "hash"):
         res["hash"] = bench_hash(1 << 16 if args.quick else 1 << 20)
     if args.only in (None, "loop"):
-        res["loop"] = bench_loop(200 if args.quick else 2000)
+        res["loop"] = [bench_loop(200 if args.quick else 2000, hash_algo=a, elastic=e)
+                       for a in (DEFAULT_HASH, FAST_HASH) for e in (True, False)]
+    if args.only in (None, "checked"):
+        res["checked"] = bench_checked(20 if args.quick else 100)
+    if args.only in (None, "sim"):
+        res["sim"] = bench_sim()
+    if args.only == "vllm":  # needs the peer venv: never part of the default run
+        res["vs_vllm"] = bench_vs_vllm(args.vllm_python, args.rounds,
+                                       200 if args.quick else 2000)
+    res["load_avg_1min_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(res, indent=None if args.json else 1))
     return 0
 

@@ -1,8 +1,8 @@
 """The import contract: packages import only downward (DESIGN.md, "Layers of the library").
 
 Reads every module under src/pagedkv with ``ast`` (nothing is imported), resolves relative
-imports, and fails naming the module and the upward import. Packages on one rank (``ops`` and
-``batch``) may not import each other. A new package must be given a rank here first.
+imports, and fails naming the module and the upward import. Packages on one rank (``ops``,
+``batch`` and ``memory``) may not import each other. A new package must be given a rank here first.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ RANKS: list[set[str]] = [
     {"sim"},
     {"engine"},
     {"modeling"},
-    {"ops", "batch"},
+    {"ops", "batch", "memory"},
     {"blocks"},
     {"plan"},
     {"models"},

@@ -61,3 +61,8 @@ class MetadataError(PagedKVError):
 
 class IncompatibleDrafterError(ConfigError):
     """A drafter cannot belong to its target (layer ids, hidden size, vocabulary, latent)."""
+
+
+class DeviceMemoryError(PagedKVError):
+    """A device-memory call (CUDA virtual memory: reserve, create, map, unmap) failed; the
+    message names the call, its arguments and the driver's error."""

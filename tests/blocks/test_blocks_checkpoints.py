@@ -21,7 +21,7 @@ def hybrid(**kw):
 
 
 def make(every=None, **kw):
-    return KVCacheManager(hybrid(**kw), checked=True, max_batched_tokens=64,
+    return KVCacheManager(hybrid(**kw), checked=True, sweep_every=1, max_batched_tokens=64,
                           recurrent_checkpoint_every=every)
 
 

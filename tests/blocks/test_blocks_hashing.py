@@ -24,6 +24,9 @@ except ImportError:
     pass
 
 tokens_st = st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=80)
+# tokens outside uint32 take the default hash's wide (tagged int64) encoding
+wide_tokens_st = st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(-2**63, 2**63 - 1)),
+                          min_size=0, max_size=48)
 
 
 def chain(algo, tokens, bs, parent=0):
@@ -61,7 +64,7 @@ def test_sha256_matches_an_independent_computation():
     expected = []
     h = parent
     for i in range(2):
-        raw = h.to_bytes(32, "little") + array("q", toks[i * 4:(i + 1) * 4]).tobytes()
+        raw = h.to_bytes(32, "little") + array("I", toks[i * 4:(i + 1) * 4]).tobytes()
         h = int.from_bytes(hashlib.sha256(raw).digest(), "little")
         expected.append(h)
     assert chain("sha256", toks, 4, parent) == expected
@@ -83,7 +86,7 @@ def test_unknown_algorithm_is_refused():
 
 def test_fast_hash_is_the_same_in_another_process_with_another_hash_seed():
     code = ("from pagedkv.blocks.hashing import hash_extender, root_hash; out=[];"
-            "hash_extender('fast')(list(range(64)), 0, 4, 16, root_hash(('salt',)), out);"
+            "hash_extender('fast-single-tenant')(list(range(64)), 0, 4, 16, root_hash(('salt',)), out);"
             "print(out)")
     outs = set()
     for seed in ("1", "2"):
@@ -91,3 +94,40 @@ def test_fast_hash_is_the_same_in_another_process_with_another_hash_seed():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                 capture_output=True, text=True).stdout)
     assert len(outs) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(toks=wide_tokens_st, cut=st.integers(0, 12), bs=st.sampled_from([1, 2, 4]))
+def test_default_hash_with_wide_tokens_is_incremental_and_prefix_exact(toks, cut, bs):
+    n = len(toks) // bs
+    cut = min(cut, n)
+    ext = hash_extender("sha256")
+    part: list[int] = []
+    ext(toks, 0, cut, bs, 5, part)
+    ext(toks, cut, n, bs, part[-1] if part else 5, part)
+    assert part == chain("sha256", toks, bs, 5)
+    other = [t ^ 1 for t in toks]  # every block differs
+    assert not set(chain("sha256", other, bs, 5)) & set(part)
+
+
+def test_default_hash_of_a_wide_block_matches_an_independent_computation():
+    toks = [1, 2, 2**40, 3]  # second block holds a token outside uint32
+    b0 = hashlib.sha256((7).to_bytes(32, "little") + array("I", [1, 2]).tobytes()).digest()
+    b1 = hashlib.sha256(b0 + b"\xff" + array("q", [2**40, 3]).tobytes()).digest()
+    assert chain("sha256", toks, 2, 7) == [int.from_bytes(b0, "little"),
+                                           int.from_bytes(b1, "little")]
+
+
+def test_the_default_hash_is_the_collision_resistant_one():
+    from pagedkv.blocks.hashing import DEFAULT_HASH, FAST_HASH, MULTI_TENANT_SAFE
+
+    assert DEFAULT_HASH == "sha256" and DEFAULT_HASH in MULTI_TENANT_SAFE
+    assert FAST_HASH not in MULTI_TENANT_SAFE and "single-tenant" in FAST_HASH
+
+
+def test_a_deployment_secret_changes_every_key():
+    assert len({root_hash(()), root_hash((), b"k1"), root_hash((), b"k2")}) == 3
+    assert root_hash(("salt",), b"k1") != root_hash(("salt",), b"k2")
+    a = chain("sha256", list(range(8)), 4, root_hash((), b"k1"))
+    b = chain("sha256", list(range(8)), 4, root_hash((), b"k2"))
+    assert not set(a) & set(b)

@@ -24,6 +24,7 @@ from pagedkv.kvspec import ChunkedLocal, Cross, Full, SlidingWindow
 
 def make(groups, **kw):
     kw.setdefault("checked", True)
+    kw.setdefault("sweep_every", 1)  # the full sweep after every call
     kw.setdefault("events", True)
     kw.setdefault("max_batched_tokens", 64)
     return KVCacheManager(groups, **kw)
@@ -81,7 +82,7 @@ def test_hit_ending_inside_a_block_copies_that_block_instead_of_writing_it():
     assert m.metrics().groups[0].blocks_used == 3  # a's two + d's copy
 
 
-@pytest.mark.parametrize("algo", ["fast", "sha256", "xxh3_128"])
+@pytest.mark.parametrize("algo", ["fast-single-tenant", "sha256", "xxh3_128"])
 def test_extra_keys_and_multimodal_ids_separate_cache_entries(algo):
     if algo == "xxh3_128":
         pytest.importorskip("xxhash")
@@ -92,6 +93,18 @@ def test_extra_keys_and_multimodal_ids_separate_cache_entries(algo):
     # same tenant, other image in block 1: only block 0 matches
     assert prefill(m, "c", p + [1], extra_keys=("tenant-1",), mm_spans=[(4, 6, 99)]) == 4
     assert prefill(m, "e", p + [1], extra_keys=("tenant-1",), mm_spans=[(4, 6, 98)]) == 12
+
+
+def test_a_deployment_secret_keys_every_block_and_must_be_bytes():
+    a = make(full_only(), hash_secret=b"deployment-a")
+    b = make(full_only(), hash_secret=b"deployment-b")
+    prefill(a, "r", tokens(8))
+    prefill(b, "r", tokens(8))
+    ka, kb = a.requests["r"].hashes[4], b.requests["r"].hashes[4]
+    assert len(ka) == len(kb) == 2 and not set(ka) & set(kb)
+    assert prefill(a, "s", tokens(8) + [3]) == 8  # hits still work under one secret
+    with pytest.raises(InvalidArgumentError, match="hash_secret"):
+        make(full_only(), hash_secret="not bytes")
 
 
 # --- position offset (EAGLE / MTP) ------------------------------------------------------
@@ -217,7 +230,7 @@ def test_draft_scratch_blocks_are_released_and_never_cached():
     m.commit("a", 3, [8, 9, 10])  # two drafts accepted: 10 committed
     committed = tokens(10)
     expected: list[int] = []
-    hash_extender("fast")(committed, 0, 2, 4, root_hash(()), expected)
+    hash_extender("sha256")(committed, 0, 2, 4, root_hash(()), expected)
     cached = {pool.block_hash[b] for b in m.block_tables("a")[0] if pool.block_hash[b]}
     assert cached == set(expected)  # exactly the two blocks full of committed tokens
 

@@ -29,8 +29,13 @@ def _usable(mgr: KVCacheManager) -> dict[int, int]:
 
 def _run_one_request(plan, length: int) -> None:
     """A request of ``length`` tokens alone on an empty manager: admitted, prefilled in
-    chunks of the step budget, one decode step; every allocation succeeds."""
-    mgr = KVCacheManager.from_plan(plan, checked=False)
+    chunks of the step budget, one decode step; every allocation succeeds (fixed pools
+    and elastic ones alike)."""
+    for elastic in (False, True):
+        _run_one(KVCacheManager.from_plan(plan, checked=False, elastic=elastic), plan, length)
+
+
+def _run_one(mgr, plan, length: int) -> None:
     mgr.check_fits(length)
     prompt = list(range(1, length))  # the last token is decoded
     mgr.add_request("r", prompt, max_new_tokens=1)
@@ -49,9 +54,12 @@ def _run_one_request(plan, length: int) -> None:
 
 def _check_agreement(plan) -> None:
     """Per pool: the manager's usable blocks are the plan's; a pool keeps one null block
-    when any of its groups is windowed; every group of a pool reports the pool's pages."""
-    mgr = KVCacheManager.from_plan(plan, checked=False)
+    when any of its groups is windowed; every group of a pool reports the pool's pages.
+    Elastic pools can grow past the plan's fixed sizes (their ceilings) but never less."""
+    mgr = KVCacheManager.from_plan(plan, checked=False, elastic=False)
     usable = _usable(mgr)
+    elastic = _usable(KVCacheManager.from_plan(plan, checked=False))
+    assert all(elastic[g] >= usable[g] for g in usable)
     groups = {g.id: g for g in plan.groups}
     for pool in plan.ranks[0].pools:
         members = [groups[gid] for gid in pool.group_ids]
@@ -153,8 +161,8 @@ def test_shared_pool_admits_far_more_short_requests_than_separate_pools():
     assert k == 2845 and -(-9 * k // 1024) == 26
     old_groups = [dataclasses.replace(window, num_blocks=1 + 128 + 26, pool=None),
                   dataclasses.replace(full, num_blocks=k, reserved_blocks=0, pool=None)]
-    old = KVCacheManager(old_groups, max_model_len=16384, checked=True)
-    new = KVCacheManager.from_plan(plan, checked=True)
+    old = KVCacheManager(old_groups, max_model_len=16384, checked=True, sweep_every=1)
+    new = KVCacheManager.from_plan(plan, checked=True, sweep_every=1)
     # a request that ran holds its 256 full blocks and, until its next block boundary
     # (window frees run there), the window blocks of its last chunk: 2047 tokens at
     # 2048..4094 = blocks 128..255, plus the 8 blocks 120..127 of the 127 keys before:

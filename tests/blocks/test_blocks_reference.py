@@ -48,7 +48,7 @@ def record(cached, offsets, seq, computed):
 def test_hits_match_a_brute_force_reference(requests, which):
     groups = {"full": full_only, "window": gpt_oss_like, "mtp": deepseek_mtp_like}[which](
         num_blocks=400, bs=BS)
-    m = KVCacheManager(groups, checked=True, max_batched_tokens=64)
+    m = KVCacheManager(groups, checked=True, sweep_every=1, max_batched_tokens=64)
     offsets = [g.position_offset for g in groups]
     cached: list[set[tuple[int, ...]]] = [set() for _ in groups]
     seqs: list[list[int]] = []

@@ -1,7 +1,11 @@
 """Stateful property tests: random add / admit / step (prefill chunks, decodes,
-speculative steps with random acceptance) / preempt / finish sequences, in checked mode
-(every call ends with the full invariant sweep), over real plans of catalog models and
-hand-built groups with small blocks. At the end every block must be back."""
+speculative steps with random acceptance) / preempt / finish / launch-a-step sequences, in
+checked mode (every call ends with the full invariant sweep), over real plans of catalog
+models (elastic pools over one budget, as ``from_plan`` builds them), hand-built fixed
+pools with small blocks, and hand-built elastic pools of mixed retentions (full + sliding
+window + recurrent + an MTP drafter) over small pages and a tight budget, with steps
+finishing at once or later (``sync_steps=False``). At the end every block must be back,
+and after a prefix-cache reset the mapped bytes are the floors."""
 
 from __future__ import annotations
 
@@ -9,10 +13,18 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_blocks_groups import deepseek_mtp_like, full_only, gpt_oss_like, kimi_dspark_like
+from test_blocks_groups import (
+    _layer,
+    deepseek_mtp_like,
+    full_only,
+    gpt_oss_like,
+    group,
+    kimi_dspark_like,
+)
 
 from pagedkv.blocks import KVCacheManager, lookahead_tokens
 from pagedkv.errors import RequestTooLargeError
+from pagedkv.kvspec import Full, Recurrent, SlidingWindow
 
 BASES = [tuple((i * 7 + j) % 5 for i in range(200)) for j in range(3)]
 
@@ -26,8 +38,31 @@ def _real_plan(model, draft, budget):
                                               block_size=16, max_batched_tokens=64))
 
 
+def mixed_groups(max_model_len=64, bs=4):
+    """Full + sliding window 8 + recurrent (checkpoints) + an MTP drafter (offset 1)."""
+    kw = {"max_model_len": max_model_len, "max_batched_tokens": 64}
+    return [group(0, Full(), bs, 1, **kw),
+            group(1, SlidingWindow(8), bs, 1, **kw),
+            group(2, Recurrent(2), bs, 1, **kw),
+            group(3, Full(), bs, 1, offset=1, models=("mtp",), **kw,
+                  layers=(_layer("mtp.0", Full(), model="mtp", offset=1),))]
+
+
+def _elastic(sync_steps, **kw):
+    # attention blocks of 16 KiB, state slots of 1 KiB, pages of 32 KiB; floors: full 16
+    # blocks (8 pages), window 3 + 16 + null (10 pages), slot 1 (1 page), MTP 16 (8
+    # pages) = 27 of the 32 pages the budget holds: pools take pages from each other
+    groups = mixed_groups()
+    assert [g.page_bytes for g in groups] == [16384, 16384, 1024, 16384]
+    return KVCacheManager(groups, budget_bytes=32 * 32768, page_bytes=32768,
+                          max_model_len=64, sync_steps=sync_steps,
+                          recurrent_checkpoint_every=1, **kw)
+
+
 def _manager(kind):
-    kw = {"checked": True, "events": True, "max_batched_tokens": 64}
+    kw = {"checked": True, "sweep_every": 1, "events": True, "max_batched_tokens": 64}
+    if kind in ("elastic", "elastic-async"):
+        return _elastic(kind == "elastic", **kw)
     if kind == "full":
         return KVCacheManager(full_only(num_blocks=40, bs=4), **kw)
     if kind == "window":
@@ -42,6 +77,7 @@ def _manager(kind):
         "real-kimi-dspark": ("kimi-k3", "kimi-k3-dspark", 3 << 30),
         "real-deepseek-mtp": ("deepseek-v3", "mtp", 200 << 20),
     }[kind]
+    kw["sweep_every"] = 8  # their ceilings are large: incremental checks, a sweep every 8
     plan = _real_plan(model, draft, budget)
     if kind == "real-gpt-oss":  # window and full layers pair up: one shared pool
         (pool,) = plan.ranks[0].pools
@@ -133,12 +169,26 @@ class BlockMachine(RuleBasedStateMachine):
         self.m.free(rid)
         (self.running if rid in self.running else self.waiting).remove(rid)
 
+    @rule(finish=st.booleans())
+    def launch(self, finish):
+        """The engine takes the step's page and copy ops (launching it) and, for an
+        asynchronous engine, maybe learns that every launched step has finished."""
+        m = self.m
+        for op in m.drain_page_ops():
+            assert op.pool_id in {p.pool_id for p in m.pools}
+        m.drain_copy_ops()
+        if finish and m.ledger is not None and not m.sync_steps:
+            m.step_finished(m.ledger.launched)
+
     @invariant()
     def within_pools(self):
         if not hasattr(self, "m"):
             return
         for pool in self.m.pools:
-            assert sum(pool.used.values()) + pool.num_free() == pool.usable
+            assert (sum(pool.used.values()) + pool.num_plain_free() + len(pool.evictable)
+                    == pool.usable)
+        if self.m.ledger is not None:
+            assert self.m.floor_bytes() <= self.m.mapped_bytes() <= self.m.ledger.budget_bytes
 
     def teardown(self):
         if not hasattr(self, "m"):
@@ -147,10 +197,16 @@ class BlockMachine(RuleBasedStateMachine):
             self.m.free(rid)
         assert self.m.blocks_used() == [0] * len(self.m.groups)
         self.m.check_invariants()
+        assert self.m.reset_prefix_cache()
+        if self.m.ledger is not None:
+            if self.m.ledger.launched > self.m.ledger.finished:
+                self.m.step_finished(self.m.ledger.launched)
+            assert self.m.mapped_bytes() == self.m.floor_bytes() > 0
+        self.m.check_invariants()
 
 
-KINDS = ["full", "window", "kimi", "mtp", "real-llama", "real-gpt-oss", "real-kimi-dspark",
-         "real-deepseek-mtp"]
+KINDS = ["full", "window", "kimi", "mtp", "elastic", "elastic-async", "real-llama",
+         "real-gpt-oss", "real-kimi-dspark", "real-deepseek-mtp"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -103,10 +103,12 @@ def test_plan_typical_len_reports_both_capacities(cli):
 
 
 def test_simulate_typical_len_runs_more_requests_at_once(cli):
+    # fixed pools: --typical-len sizes them (elastic pools, the default, need no such flag:
+    # tests/cli/test_cli_simulate.py)
     def sim(*extra):
         code, out, err = cli("simulate", "gemma-3-27b", "--memory", "40GiB",
                                  "--max-model-len", "16384", "--workload", "shared-prefix",
-                                 "--requests", "150", *extra, "--json")
+                                 "--requests", "150", "--fixed-pools", *extra, "--json")
         assert code == 0, err
         return json.loads(out)
 

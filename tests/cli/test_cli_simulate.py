@@ -108,3 +108,21 @@ def test_kimi_checkpoint_flags_on_a_branching_trace(tmp_path, cli, flags, hit):
 def test_checkpoint_flags_exclude_each_other(cli):
     assert cli("simulate", "kimi-k3", "--memory", "8GiB", "--workload", "chat",
                "--checkpoint-every", "2", "--no-checkpoints").code == 2
+
+
+def test_elastic_pools_need_no_typical_len(cli):
+    """The same run as the --typical-len test in test_cli_plan.py: elastic pools (the
+    default) without the flag do at least as well as fixed pools sized with it."""
+    def sim(*extra):
+        code, out, err = cli("simulate", "gemma-3-27b", "--memory", "40GiB",
+                             "--max-model-len", "16384", "--workload", "shared-prefix",
+                             "--requests", "150", *extra, "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+    typical, elastic = sim("--fixed-pools", "--typical-len", "2048"), sim()
+    with_flag = sim("--typical-len", "2048")  # still accepted; elastic pools ignore the sizes
+    assert elastic["requests_finished"] == 150 and elastic["leaked_blocks"] == 0
+    assert elastic["steps"] <= typical["steps"]
+    assert elastic["preemptions"] <= typical["preemptions"]
+    assert with_flag["steps"] == elastic["steps"]

@@ -83,3 +83,20 @@ def test_compress_names():
     assert compress_names(names) == "model.layers.{0-2,4,6-7}.attn; lm_head"
     assert compress_names(("a.1.x",)) == "a.1.x"
     assert compress_names(tuple(f"x.{i}" for i in range(0, 400, 2)), limit=20).endswith("...")
+
+
+def test_elastic_floors_and_ceilings_are_reported():
+    plan = make_plan(kimi_k3(), PlanOptions(40 * GiB, 131072))
+    data = json.loads(json.dumps(plan_to_dict(plan)))
+    state, mla = data["groups"]
+    page = 2 << 20
+    assert data["elastic"]["page_bytes"] == page
+    # floors: one slot; 131072 / 64 = 2048 MLA blocks (full attention: no step blocks)
+    assert state["floor_blocks"] == 1 and mla["floor_blocks"] == 2048
+    sb, mb = state["page_bytes"], mla["page_bytes"]
+    # a ceiling is the budget less the other floor, rounded up to whole 2 MiB pages
+    assert state["ceiling_blocks"] == (40 * GiB - -(-2048 * mb // page) * page) // sb
+    assert mla["ceiling_blocks"] == (40 * GiB - -(-sb // page) * page) // mb
+    assert state["ceiling_blocks"] > state["num_blocks"] and mla["ceiling_blocks"] >= mla["num_blocks"]
+    text = format_plan(plan)
+    assert "floor" in text and str(mla["ceiling_blocks"]) in text

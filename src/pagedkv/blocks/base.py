@@ -1,4 +1,4 @@
-"""What every per-retention manager provides to the coordinator.
+"""What every per-retention manager provides to the manager (:mod:`pagedkv.blocks.manager`).
 
 A manager owns one block-table group: it finds that group's longest valid prefix hit,
 counts and takes the blocks a request needs, offers newly full committed blocks to the
@@ -8,6 +8,7 @@ prefix cache, and gives blocks back. It never decides admission or preemption.
 from __future__ import annotations
 
 from pagedkv.blocks.events import CopyOp, EventLog
+from pagedkv.blocks.ids import BlockId, GroupId, GroupIndex
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.request import INF, RequestState
 from pagedkv.kvspec.retention import blocks_per_request, cdiv, step_blocks
@@ -20,11 +21,11 @@ class GroupManager:
     holds_tokens = True  # block table indexed by token position (False: state slots, encoder)
     can_cache = True
 
-    def __init__(self, index: int, group: Group, pool: BlockPool, caching: bool,
+    def __init__(self, index: GroupIndex, group: Group, pool: BlockPool, caching: bool,
                  events: EventLog) -> None:
         self.index = index
         self.group = group
-        self.gid = group.id
+        self.gid = GroupId(group.id)
         self.pool = pool
         self.bs = group.block_size
         self.offset = group.position_offset
@@ -42,7 +43,7 @@ class GroupManager:
         """How many leading blocks could take part in a hit of at most ``max_tokens``."""
         return max(0, min(cdiv(max_tokens + self.offset, self.bs), len(req.hashes[self.bs])))
 
-    def find_hit(self, req: RequestState, max_tokens: int) -> tuple[int, list[int]]:
+    def find_hit(self, req: RequestState, max_tokens: int) -> tuple[int, list[BlockId]]:
         """Longest valid hit of at most ``max_tokens`` tokens: (tokens, blocks to adopt,
         the last one partly when the hit ends inside it). Layers with position offset k
         computed position p from token p+k, so only a run's first ``len * bs - k``
@@ -50,7 +51,7 @@ class GroupManager:
         raise NotImplementedError
 
     # --- allocation --------------------------------------------------------------------
-    def blocks_needed(self, req: RequestState, end: int, hit: list[int] | None) -> int:
+    def blocks_needed(self, req: RequestState, end: int, hit: list[BlockId] | None) -> int:
         """Blocks the pool must hand out so positions [0, end) have slots (hit blocks that
         sit in the LRU count too: adopting them takes them off the free count)."""
         table = req.tables[self.index]
@@ -59,14 +60,14 @@ class GroupManager:
         ref = self.pool.ref
         null = self.pool.null
         revived = sum(1 for b in hit if b != null and ref[b] == 0)
-        adopted = len(hit) - (1 if hit and req.pending[0] % self.bs else 0)
+        adopted = len(hit) - (1 if hit and req.pending.tokens % self.bs else 0)
         return max(0, cdiv(end, self.bs) - adopted) + revived
 
-    def allocate(self, req: RequestState, end: int, hit: list[int] | None) -> None:
+    def allocate(self, req: RequestState, end: int, hit: list[BlockId] | None) -> None:
         i = self.index
         if hit is not None:
             pool = self.pool
-            h = req.pending[0]
+            h = req.pending.tokens
             pool.touch(hit, self.gid)
             req.tables[i] = table = list(hit)
             req.ncached[i] = h // self.bs

@@ -1,7 +1,9 @@
-"""The full invariant sweep of checked mode (``checked=True`` or ``PAGEDKV_DEBUG=1``).
+"""The invariants of checked mode (``checked=True`` or ``PAGEDKV_DEBUG=1``).
 
-O(blocks + table entries) per call: meant for tests and debugging, not production.
-Each violation raises :class:`CacheCorruptedError` naming the invariant.
+:func:`sweep` walks everything, O(blocks + table entries): the periodic full check.
+:func:`pool_counters`, :func:`block_state` and :func:`request_tail` check only what one
+call touched, in O(1) per block or table entry. Each violation raises
+:class:`CacheCorruptedError` naming the invariant.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import TYPE_CHECKING
 from pagedkv.errors import CacheCorruptedError
 
 if TYPE_CHECKING:
-    from pagedkv.blocks.coordinator import KVCacheManager
+    from pagedkv.blocks.manager import KVCacheManager
+    from pagedkv.blocks.pool import BlockPool
+    from pagedkv.blocks.request import RequestState
 
 
 def _require(ok: bool, invariant: str, detail: str) -> None:
@@ -40,8 +44,8 @@ def sweep(mgr: KVCacheManager) -> None:
             src = req.copy_src[m.index]
             if src is not None:
                 count[src] += 1
-            for _, slot in req.saves[m.index]:
-                count[slot] += 1
+            for save in req.saves[m.index]:
+                count[save.slot] += 1
             if m.holds_tokens:
                 _require(len(table) * m.bs >= req.num_computed or not table and not req.num_computed,
                          "computed tokens have slots",
@@ -64,7 +68,7 @@ def sweep(mgr: KVCacheManager) -> None:
 
 def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
     pid = pool.pool_id
-    free = pool.free
+    free = pool.free_blocks()
     evictable = list(pool.evictable)
     free_set = set(free)
     _require(len(free_set) == len(free), "free list without repeats", f"pool {pid}")
@@ -73,11 +77,15 @@ def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
     _require(pool.null not in free_set and pool.null not in pool.evictable
              and (pool.null < 0 or pool.ref[pool.null] == 0),
              "null block never allocated", f"pool {pid}")
-    used = [b for b in range(pool.first, pool.num_blocks) if pool.ref[b] > 0]
+    # ids an elastic pool never handed out (>= its watermark) hold nothing by construction
+    top = getattr(pool, "fresh", pool.num_blocks)
+    _require(all(pool.ref[b] == 0 and pool.block_hash[b] is None for b in (top, pool.num_blocks - 1)
+                 if top < pool.num_blocks), "ids never handed out hold nothing", f"pool {pid}")
+    used = [b for b in range(pool.first, top) if pool.ref[b] > 0]
     _require(len(free) + len(evictable) + len(used) == pool.usable, "free + used = total",
              f"pool {pid}: {len(free)} free + {len(evictable)} evictable + {len(used)} used "
              f"!= {pool.usable}")
-    for b in range(pool.first, pool.num_blocks):
+    for b in range(pool.first, top):
         _require(pool.ref[b] == owners[b], "reference counts equal owners",
                  f"pool {pid} block {b}: ref {pool.ref[b]}, {owners[b]} owners")
         if owners[b] > 1:
@@ -103,3 +111,123 @@ def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
         hashed += len(cache)
     _require(hashed == sum(1 for h in pool.block_hash if h is not None),
              "every hashed block is in its group's map", f"pool {pid}")
+    ledger = getattr(pool, "ledger", None)
+    if ledger is not None:
+        for b in range(pool.first, top):
+            data = pool.ref[b] > 0 or pool.block_hash[b] is not None
+            _require(ledger.holds_data(pid, b) == data, "the page ledger knows which blocks hold data",
+                     f"pool {pid} block {b}: ledger {ledger.holds_data(pid, b)}, pool {data}")
+            if data:
+                _require(ledger.is_mapped(pid, b), "blocks holding data lie on mapped pages",
+                         f"pool {pid} block {b} (ref {pool.ref[b]}) is on an unmapped page")
+        _require(ledger.mapped_bytes() <= ledger.budget_bytes, "mapped bytes within the budget",
+                 f"{ledger.mapped_bytes()} > {ledger.budget_bytes}")
+        _require(ledger.finished <= ledger.launched, "steps finish after they launch",
+                 f"finished {ledger.finished}, launched {ledger.launched}")
+        ledger.check()  # floors mapped, page counts, no pending page holds data
+
+
+# --- incremental checks --------------------------------------------------------------
+# Each test is a plain comparison; the message is built only on a violation (these run
+# after every call of checked mode).
+
+def pool_counters(pool: BlockPool) -> None:
+    """O(groups): every usable block is free, cached-free or used, exactly once in total."""
+    used = sum(pool.used.values())
+    plain = pool.num_plain_free()
+    if plain + len(pool.evictable) + used != pool.usable:
+        _require(False, "free + used = total",
+                 f"pool {pool.pool_id}: {plain} free + {len(pool.evictable)} evictable + "
+                 f"{used} used != {pool.usable}")
+    ledger = getattr(pool, "ledger", None)
+    if ledger is not None and ledger.mapped_bytes() > ledger.budget_bytes:
+        _require(False, "mapped bytes within the budget",
+                 f"{ledger.mapped_bytes()} > {ledger.budget_bytes}")
+
+
+def block_state(pool: BlockPool, b: int) -> None:
+    """O(1): block ``b``'s reference count, hash, LRU membership and map entry agree."""
+    pid = pool.pool_id
+    if b == pool.null:
+        if pool.ref[b] != 0 or b in pool.evictable:
+            _require(False, "null block never allocated", f"pool {pid}")
+        return
+    if not pool.first <= b < pool.num_blocks:
+        _require(False, "blocks belong to their pool", f"pool {pid}: block id {b}")
+    ref = pool.ref[b]
+    h = pool.block_hash[b]
+    if ref < 0:
+        _require(False, "reference counts equal owners", f"pool {pid} block {b}: ref {ref}")
+    if ref == 0:
+        if (b in pool.evictable) != (h is not None):
+            _require(False, "evictable blocks are cached and unreferenced" if h is not None
+                     else "plain free blocks carry no hash", f"pool {pid} block {b}")
+    else:
+        if b in pool.evictable:
+            _require(False, "evictable blocks are cached and unreferenced",
+                     f"pool {pid} block {b} has ref {ref} and sits in the LRU")
+        if ref > 1 and h is None:
+            _require(False, "only cached blocks are shared",
+                     f"pool {pid} block {b} has {ref} owners and no hash")
+    if h is not None:
+        g = pool.block_group[b]
+        if pool.caches.get(g, {}).get(h) != b:
+            _require(False, "hash map consistent with block hashes",
+                     f"pool {pid} group {g}: block {b} holds a hash that maps elsewhere")
+    ledger = getattr(pool, "ledger", None)
+    if ledger is not None:
+        data = ref > 0 or h is not None
+        if ledger.holds_data(pid, b) != data:
+            _require(False, "the page ledger knows which blocks hold data",
+                     f"pool {pid} block {b}: ledger {ledger.holds_data(pid, b)}, pool {data}")
+        if data and not ledger.is_mapped(pid, b):
+            _require(False, "blocks holding data lie on mapped pages",
+                     f"pool {pid} block {b} (ref {ref}) is on an unmapped page")
+
+
+def progress(req: RequestState) -> None:
+    """O(1): a request's computed tokens lie within its known tokens."""
+    if not 0 <= req.num_computed <= len(req.tokens):
+        _require(False, "progress within tokens",
+                 f"request {req.id!r}: {req.num_computed} computed of {len(req.tokens)}")
+
+
+def request_tail(mgr: KVCacheManager, req: RequestState,
+                 seen: list[tuple[int, int]] | None) -> None:
+    """What a call can have changed in one request: progress, the table entries past the
+    length seen at the last check (and the last one), the newly cached prefix's hashes."""
+    if not 0 <= req.num_computed <= len(req.tokens):
+        _require(False, "progress within tokens",
+                 f"request {req.id!r}: {req.num_computed} computed of {len(req.tokens)}")
+    for m in mgr.managers:
+        i = m.index
+        table = req.tables[i]
+        pool = m.pool
+        old_len, old_cached = seen[i] if seen is not None else (0, 0)
+        start = max(0, min(old_len, len(table)) - 1)
+        null = pool.null
+        first, top, group, ref = pool.first, pool.num_blocks, pool.block_group, pool.ref
+        gid = m.gid
+        for b in table[start:]:
+            if b != null and not (first <= b < top and group[b] == gid and ref[b] > 0):
+                ok = first <= b < top
+                _require(False, "blocks belong to their group",
+                         f"request {req.id!r} group {gid} holds block {b} "
+                         f"(group {group[b] if ok else '?'}, ref {ref[b] if ok else '?'})")
+        if m.holds_tokens:
+            if len(table) * m.bs < req.num_computed and (table or req.num_computed):
+                _require(False, "computed tokens have slots",
+                         f"request {req.id!r} group {gid}: {len(table)} blocks of {m.bs} for "
+                         f"{req.num_computed} computed tokens")
+            stop = req.ncached[i]
+            lo = min(old_cached, stop)
+            if lo < stop:
+                hashes = req.hashes.get(m.bs, [])
+                block_hash = pool.block_hash
+                for j in range(lo, min(stop, len(table), len(hashes))):
+                    b = table[j]
+                    h = block_hash[b] if b != null else None
+                    if h is not None and h != m.key(req, j):
+                        _require(False, "hash map consistent with block contents",
+                                 f"request {req.id!r} group {gid} block {j} (id {b}) is "
+                                 "cached under a hash of other tokens")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagedkv.blocks.ids import BlockId, GroupId
+
 EventKind = Literal["stored", "removed", "cleared"]
 
 
@@ -57,9 +59,9 @@ class CopyOp:
     """
 
     kind: Literal["copy", "restore", "save"]
-    group_id: int
-    src: int
-    dst: int
+    group_id: GroupId
+    src: BlockId
+    dst: BlockId
     position: int
 
 

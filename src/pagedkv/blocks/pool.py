@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from pagedkv.blocks.events import EventLog
+from pagedkv.blocks.ids import BlockId, GroupId, PoolId
 from pagedkv.errors import CacheCorruptedError, InvalidArgumentError, OutOfBlocksError
 
 NULL_BLOCK = 0
@@ -25,7 +26,8 @@ class BlockPool:
     __slots__ = ("pool_id", "num_blocks", "ref", "block_hash", "block_group", "free",
                  "evictable", "caches", "events", "evictions", "epoch", "used", "null", "first")
 
-    def __init__(self, num_blocks: int, pool_id: int = 0, events: EventLog | None = None,
+    def __init__(self, num_blocks: int, pool_id: PoolId = 0,  # type: ignore[assignment]
+                 events: EventLog | None = None,
                  reserve_null: bool = True) -> None:
         least = 2 if reserve_null else 1
         if not isinstance(num_blocks, int) or num_blocks < least:
@@ -43,25 +45,33 @@ class BlockPool:
         # popped from the end: hands out 1, 2, 3, ... first
         self.free = list(range(num_blocks - 1, self.first - 1, -1))
         self.evictable: OrderedDict[int, None] = OrderedDict()
-        self.caches: dict[int, dict[int, int]] = {}
+        self.caches: dict[GroupId, dict[int, BlockId]] = {}
         self.events = events or EventLog(False)
         self.evictions = 0
-        self.used: dict[int, int] = {}  # group id -> blocks with a reference
+        self.used: dict[GroupId, int] = {}  # group id -> blocks with a reference
         self.epoch = 0  # bumps whenever a cached block loses its hash
 
     @property
     def usable(self) -> int:
         return self.num_blocks - self.first
 
+    def num_plain_free(self) -> int:
+        """Free blocks that hold no cached data."""
+        return len(self.free)
+
+    def free_blocks(self) -> list[int]:
+        """The plain free blocks (a copy, for checks)."""
+        return list(self.free)
+
     def num_free(self) -> int:
         """Blocks an allocation can take now (plain free + cached free)."""
         return len(self.free) + len(self.evictable)
 
-    def cache_for(self, group_id: int) -> dict[int, int]:
+    def cache_for(self, group_id: GroupId) -> dict[int, BlockId]:
         self.used.setdefault(group_id, 0)
         return self.caches.setdefault(group_id, {})
 
-    def allocate(self, n: int, group_id: int) -> list[int]:
+    def allocate(self, n: int, group_id: GroupId) -> list[BlockId]:
         """``n`` blocks with reference count 1, evicting least recently used cached ones."""
         if n > len(self.free) + len(self.evictable):
             raise OutOfBlocksError(
@@ -79,7 +89,7 @@ class BlockPool:
         self.used[group_id] += n
         return out
 
-    def _evict_oldest(self) -> int:
+    def _evict_oldest(self) -> BlockId:
         b, _ = self.evictable.popitem(last=False)
         h = self.block_hash[b]
         g = self.block_group[b]
@@ -91,7 +101,7 @@ class BlockPool:
             self.events.emit("removed", g, (h,), (b,))
         return b
 
-    def touch(self, blocks: list[int], group_id: int) -> None:
+    def touch(self, blocks: list[BlockId], group_id: GroupId) -> None:
         """Take a reference on cached blocks of ``group_id`` (a prefix hit); pulls them
         out of the LRU."""
         ref = self.ref
@@ -107,7 +117,7 @@ class BlockPool:
             ref[b] += 1
         self.used[group_id] += revived
 
-    def release(self, blocks: list[int], group_id: int) -> None:
+    def release(self, blocks: list[BlockId], group_id: GroupId) -> None:
         """Drop one reference on each block of ``group_id``, in order: the first released
         is evicted first."""
         ref = self.ref
@@ -134,7 +144,7 @@ class BlockPool:
                 raise CacheCorruptedError(f"pool {self.pool_id}: block {b} released twice")
         self.used[group_id] -= freed
 
-    def cache(self, group_id: int, block: int, h: int) -> bool:
+    def cache(self, group_id: GroupId, block: BlockId, h: int) -> bool:
         """Enter ``block`` under hash ``h``; False when an equal block is cached already
         (then this one stays private and goes back to the plain free list when released)."""
         cache = self.caches[group_id]
@@ -144,7 +154,7 @@ class BlockPool:
         self.block_hash[block] = h
         return True
 
-    def uncache(self, block: int) -> None:
+    def uncache(self, block: BlockId) -> None:
         """Drop ``block``'s hash (its contents are about to change)."""
         h = self.block_hash[block]
         if h is None:

@@ -21,11 +21,13 @@ the engine as :class:`CopyOp`, to run before the step's forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.events import CopyOp, EventLog
+from pagedkv.blocks.ids import GroupIndex
 from pagedkv.blocks.pool import BlockPool
-from pagedkv.blocks.request import INF, RequestState
+from pagedkv.blocks.request import INF, Checkpoint, RequestState, Save
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.types import Group
 
@@ -56,6 +58,22 @@ class CheckpointPolicy:
         return cls(every, False, False, False)
 
 
+class OpenSave(NamedTuple):
+    """A save not yet handed to the engine: cancelling it gives ``slot`` back."""
+
+    req: RequestState
+    position: int
+    slot: int
+    op: CopyOp
+
+
+class OpenRestore(NamedTuple):
+    """A restore not yet handed to the engine: it can become a take-over."""
+
+    req: RequestState
+    op: CopyOp
+
+
 DEFAULT_POLICY = CheckpointPolicy()
 NO_CHECKPOINTS = CheckpointPolicy.interval(0)
 
@@ -63,7 +81,7 @@ NO_CHECKPOINTS = CheckpointPolicy.interval(0)
 class RecurrentManager(GroupManager):
     holds_tokens = False
 
-    def __init__(self, index: int, group: Group, pool: BlockPool, caching: bool,
+    def __init__(self, index: GroupIndex, group: Group, pool: BlockPool, caching: bool,
                  events: EventLog, policy: CheckpointPolicy = DEFAULT_POLICY) -> None:
         every = group.retention.checkpoint_every or policy.every  # type: ignore[union-attr]
         self.policy = policy
@@ -72,8 +90,8 @@ class RecurrentManager(GroupManager):
         self.interval = every * group.block_size if every else 0
         # not yet handed to the engine, so they can give a slot back: saves (cancelled)
         # and restores (turned into a take-over of their checkpoint)
-        self.open: list[tuple[RequestState, int, int, CopyOp]] = []
-        self.open_restores: list[tuple[RequestState, CopyOp]] = []
+        self.open: list[OpenSave] = []
+        self.open_restores: list[OpenRestore] = []
         # checkpoints turned into a working state this step -> the request that took it
         # over: its forward writes the slot only after the step's copies have read it
         self.taken: dict[int, RequestState] = {}
@@ -113,7 +131,8 @@ class RecurrentManager(GroupManager):
     def _convertible(self) -> list[int]:
         """Checkpoints held only by unsent restores: one of them can take it over."""
         count: dict[int, int] = {}
-        for _, op in self.open_restores:
+        for o in self.open_restores:
+            op = o.op
             count[op.src] = count.get(op.src, 0) + 1
         ref = self.pool.ref
         return [src for src, k in count.items() if ref[src] == k]
@@ -134,7 +153,7 @@ class RecurrentManager(GroupManager):
             src = hit[0]
             if src in self.taken:  # copy it before its new owner's forward: no hold
                 req.tables[i] = slot = pool.allocate(1, self.gid)
-                self.ops.append(CopyOp("restore", self.gid, src, slot[0], req.pending[0]))
+                self.ops.append(CopyOp("restore", self.gid, src, slot[0], req.pending.tokens))
             elif pool.ref[src] == 0 and pool.num_free() < 2:
                 pool.uncache(src)  # take the checkpoint over: it becomes this request's state
                 req.tables[i] = pool.allocate(1, self.gid)
@@ -142,9 +161,9 @@ class RecurrentManager(GroupManager):
                 pool.touch([src], self.gid)
                 req.tables[i] = slot = pool.allocate(1, self.gid)
                 req.copy_src[i] = src
-                op = CopyOp("restore", self.gid, src, slot[0], req.pending[0])
+                op = CopyOp("restore", self.gid, src, slot[0], req.pending.tokens)
                 self.ops.append(op)
-                self.open_restores.append((req, op))
+                self.open_restores.append(OpenRestore(req, op))
         else:
             req.tables[i] = pool.allocate(1, self.gid)
 
@@ -153,28 +172,28 @@ class RecurrentManager(GroupManager):
         free slots (or none is left)."""
         pool = self.pool
         while self.open and pool.num_free() < want_free:
-            req, position, slot, op = self.open.pop()
-            req.saves[self.index].remove((position, slot))
-            self._drop_op(op)
-            pool.release([slot], self.gid)
+            o = self.open.pop()
+            o.req.saves[self.index].remove(Save(o.position, o.slot))
+            self._drop_op(o.op)
+            pool.release([o.slot], self.gid)
         if not self.open_restores:
             return
         i = self.index
         for src in reversed(self._convertible()):
             if pool.num_free() >= want_free:
                 break
-            holders = [o for o in self.open_restores if o[1].src == src]
-            self.open_restores = [o for o in self.open_restores if o[1].src != src]
+            holders = [o for o in self.open_restores if o.op.src == src]
+            self.open_restores = [o for o in self.open_restores if o.op.src != src]
             # the newest restorer takes the checkpoint over instead of copying it (one
             # slot back); the others still copy it, before that request's forward
-            req, op = holders.pop()
+            req, op = holders.pop()  # (request, op)
             pool.uncache(src)
             req.tables[i] = [src]
             req.copy_src[i] = None
             self.taken[src] = req
             self._drop_op(op)
             pool.release([op.dst], self.gid)
-            for other, _ in holders:
+            for other in (o.req for o in holders):
                 other.copy_src[i] = None
                 pool.release([src], self.gid)
 
@@ -224,13 +243,13 @@ class RecurrentManager(GroupManager):
             j = position // self.bs
             if j <= len(hashes) and hashes[j - 1] in self.cache:
                 continue  # someone saved it already
-            if any(p == position for p, _ in saves):
+            if any(sv.position == position for sv in saves):
                 continue
             slot = pool.allocate(1, self.gid)[0]
-            saves.append((position, slot))
+            saves.append(Save(position, slot))
             op = CopyOp("save", self.gid, working, slot, position)
             self.ops.append(op)
-            self.open.append((req, position, slot, op))
+            self.open.append(OpenSave(req, position, slot, op))
 
     def commit(self, req: RequestState) -> int:
         """Cache the saved states of committed positions; drop those of rejected drafts."""
@@ -239,7 +258,7 @@ class RecurrentManager(GroupManager):
         saves = req.saves[self.index]
         if saves:
             pool = self.pool
-            for position, slot in saves:
+            for position, slot in saves:  # Save(position, slot)
                 if position <= req.num_computed:
                     h = self.key(req, position // self.bs - 1)
                     if pool.cache(self.gid, slot, h):
@@ -252,39 +271,38 @@ class RecurrentManager(GroupManager):
                 pool.release([slot], self.gid)  # cached: evictable; otherwise plain free
             saves.clear()
             if self.open:
-                self.open = [o for o in self.open if o[0] is not req]
+                self.open = [o for o in self.open if o.req is not req]
         return INF
 
     def _replace_rolling(self, req: RequestState, slot: int, h: int) -> None:
         """A request keeps only its newest decode checkpoint (unless someone holds one)."""
         prev = req.rolling[self.index]
-        req.rolling[self.index] = (slot, h)
+        req.rolling[self.index] = Checkpoint(slot, h)
         if prev is not None:
-            pslot, ph = prev
             pool = self.pool
-            if pool.block_hash[pslot] == ph and pool.ref[pslot] == 0:
-                pool.uncache(pslot)
+            if pool.block_hash[prev.slot] == prev.key and pool.ref[prev.slot] == 0:
+                pool.uncache(prev.slot)
 
     def _forget_restore(self, req: RequestState) -> None:
         if self.open_restores:
-            self.open_restores = [o for o in self.open_restores if o[0] is not req]
+            self.open_restores = [o for o in self.open_restores if o.req is not req]
         if self.taken:
             self.taken = {b: r for b, r in self.taken.items() if r is not req}
 
     def free(self, req: RequestState) -> None:
         if self.open_restores:
             for o in self.open_restores:
-                if o[0] is req:
-                    self._drop_op(o[1])
+                if o.req is req:
+                    self._drop_op(o.op)
             self._forget_restore(req)
         saves = req.saves[self.index]
         if saves:
             if self.open:
                 for o in self.open:
-                    if o[0] is req:
-                        self._drop_op(o[3])
-                self.open = [o for o in self.open if o[0] is not req]
-            self.pool.release([slot for _, slot in saves], self.gid)
+                    if o.req is req:
+                        self._drop_op(o.op)
+                self.open = [o for o in self.open if o.req is not req]
+            self.pool.release([sv.slot for sv in saves], self.gid)
             saves.clear()
         super().free(req)
 

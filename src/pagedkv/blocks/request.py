@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from pagedkv.blocks.ids import BlockId
+
 INF = 1 << 62
+
+
+class PendingHit(NamedTuple):
+    """A looked-up prefix hit waiting for the next ``allocate`` to adopt it."""
+
+    tokens: int  # tokens every group has cached
+    epoch: int  # sum of the pools' eviction epochs at lookup: changed = look up again
+    blocks: list[list[BlockId]]  # per group index: the blocks to adopt
+
+
+class Save(NamedTuple):
+    """A recurrent checkpoint in flight: the state after ``position`` tokens goes to ``slot``."""
+
+    position: int
+    slot: BlockId
+
+
+class Checkpoint(NamedTuple):
+    """A cached recurrent checkpoint: its slot and the hash it is cached under."""
+
+    slot: BlockId
+    key: int
 
 
 class RequestState:
@@ -34,20 +60,20 @@ class RequestState:
         self.root = root
         self.mm_spans = mm_spans
         self.hashes: dict[int, list[int]] = {}
-        self.tables: list[list[int]] = [[] for _ in range(num_groups)]
+        self.tables: list[list[BlockId]] = [[] for _ in range(num_groups)]  # by GroupIndex
         self.ncached = [0] * num_groups
         self.first_live = [0] * num_groups
-        self.copy_src: list[int | None] = [None] * num_groups
-        self.pending: tuple[int, int, list[list[int]]] | None = None
+        self.copy_src: list[BlockId | None] = [None] * num_groups
+        self.pending: PendingHit | None = None
         self.slot_limit = 0
         self.fast_limit = 0
         self.last_block_start = -1
         self.next_event = 0  # the first commit works out the real one
         self.num_preemptions = 0
-        self.saves: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        self.saves: list[list[Save]] = [[] for _ in range(num_groups)]
         # recurrent groups: checkpoint positions chosen at lookup; newest decode checkpoint
         self.marks: list[list[int]] = [[] for _ in range(num_groups)]
-        self.rolling: list[tuple[int, int] | None] = [None] * num_groups
+        self.rolling: list[Checkpoint | None] = [None] * num_groups
 
     def reset(self) -> None:
         """Back to "nothing computed" (preemption): tokens and hashes stay for recompute."""

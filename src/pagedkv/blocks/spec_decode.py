@@ -3,7 +3,7 @@
 Per step a request computes its last sampled token plus k draft tokens, so it asks for
 1 + k new slots. DSpark/DFlash drafters also write scratch KV for a whole draft block of B
 positions (anchor + B-1 masks) at those same positions, so the step needs at least B - 1
-look-ahead slots. After verification the coordinator's ``commit`` keeps the accepted
+look-ahead slots. After verification the manager's ``commit`` keeps the accepted
 tokens and releases every block that only rejected (or scratch) positions used; scratch
 KV never enters the prefix cache, because only blocks full of committed tokens do.
 """

@@ -3,30 +3,20 @@ runs; a hit at position h needs live cached blocks for everything h will attend 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.events import EventLog
+from pagedkv.blocks.ids import GroupIndex
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.request import RequestState
-from pagedkv.kvspec.retention import ChunkedLocal, SlidingWindow, cdiv
+from pagedkv.kvspec.retention import cdiv
 from pagedkv.plan.types import Group
 
 
-def first_needed_fn(retention: SlidingWindow | ChunkedLocal) -> Callable[[int], int]:
-    """Earliest position a query at position p reads."""
-    if isinstance(retention, SlidingWindow):
-        w = retention.window - 1
-        return lambda p: p - w if p > w else 0
-    c = retention.chunk
-    return lambda p: p - p % c
-
-
 class WindowManager(GroupManager):
-    def __init__(self, index: int, group: Group, pool: BlockPool, caching: bool,
+    def __init__(self, index: GroupIndex, group: Group, pool: BlockPool, caching: bool,
                  events: EventLog) -> None:
         super().__init__(index, group, pool, caching, events)
-        self.first_needed = first_needed_fn(group.retention)
+        self.first_needed = group.retention.first_needed  # type: ignore[union-attr]
 
     def find_hit(self, req: RequestState, max_tokens: int) -> tuple[int, list[int]]:
         bs = self.bs

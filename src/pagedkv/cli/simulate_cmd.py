@@ -30,7 +30,7 @@ def _probability(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pagedkv.blocks.hashing import HASH_ALGOS
+    from pagedkv.blocks.hashing import DEFAULT_HASH, HASH_ALGOS
     from pagedkv.sim.workloads import WORKLOADS
 
     parser = sub.add_parser(
@@ -54,9 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="draft tokens per step (speculative decoding)")
     parser.add_argument("--acceptance", type=_probability, default=0.7, metavar="P",
                         help="probability each draft token is accepted (default 0.7)")
-    parser.add_argument("--hash", choices=HASH_ALGOS, default="fast",
-                        help="block hash (default fast; sha256 for multi-tenant caches)")
+    parser.add_argument("--hash", choices=HASH_ALGOS, default=DEFAULT_HASH,
+                        help=f"block hash (default {DEFAULT_HASH}: collision-resistant, safe for "
+                        "multi-tenant caches; fast-single-tenant is a 64-bit hash anyone can "
+                        "collide: one tenant only)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--fixed-pools", action="store_true",
+                        help="give every pool the plan's fixed size instead of sharing the "
+                        "budget by demand (elastic pools, the default)")
     ckpt = parser.add_mutually_exclusive_group()
     ckpt.add_argument("--checkpoint-every", type=positive_int, metavar="N",
                       help="recurrent groups whose model sets no checkpoints save their state "
@@ -65,7 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ckpt.add_argument("--no-checkpoints", action="store_true",
                       help="no recurrent checkpoints (recurrent models then get no prefix hits)")
     parser.add_argument("--checked", action="store_true",
-                        help="sweep every invariant after every call (slow; also PAGEDKV_DEBUG=1)")
+                        help="check what every call touched, with a full sweep every 1,024 calls "
+                        "(also PAGEDKV_DEBUG=1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw blocks used per group over time")
     parser.set_defaults(func=run)
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if requests is None:
         requests = make_workload(args.workload, args.requests, args.seed,
                                  plan.options.max_model_len)
-    manager = KVCacheManager.from_plan(plan, hash_algo=args.hash,
+    manager = KVCacheManager.from_plan(plan, hash_algo=args.hash, elastic=not args.fixed_pools,
                                        enable_caching=not args.no_prefix_caching,
                                        checked=True if args.checked else None,
                                        recurrent_checkpoint_every=0 if args.no_checkpoints

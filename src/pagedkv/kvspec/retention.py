@@ -1,5 +1,8 @@
 """Retention: which positions of a layer must stay resident, and when a block can go.
 
+Each retention class carries its own arithmetic (``resident_blocks``, ``step_blocks``,
+``first_needed``, ``null_blocks``), so callers never branch on the retention's type.
+
 The worst-case block arithmetic lives here, so that the planner (what fits) and the block
 manager (can this request be admitted) use the very same numbers.
 """
@@ -27,6 +30,22 @@ class Full:
 
     kind: Literal["full"] = field(default="full", init=False)
 
+    def resident_blocks(self, num_tokens: int, block_size: int) -> int:
+        return cdiv(num_tokens, block_size)
+
+    def step_blocks(self, max_batched_tokens: int, block_size: int) -> int:
+        return 0  # every token is counted already
+
+    def first_needed(self, position: int) -> int:
+        return 0
+
+    @property
+    def null_blocks(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return self.kind
+
 
 @dataclass(frozen=True)
 class SlidingWindow:
@@ -38,6 +57,24 @@ class SlidingWindow:
     def __post_init__(self) -> None:
         _positive("SlidingWindow", "window", self.window)
 
+    def resident_blocks(self, num_tokens: int, block_size: int) -> int:
+        # window - 1 earlier keys plus the current token, unaligned to a block boundary
+        return min(cdiv(num_tokens, block_size), cdiv(self.window - 1, block_size) + 1)
+
+    def step_blocks(self, max_batched_tokens: int, block_size: int) -> int:
+        return cdiv(max_batched_tokens, block_size)
+
+    def first_needed(self, position: int) -> int:
+        w = self.window - 1
+        return position - w if position > w else 0
+
+    @property
+    def null_blocks(self) -> int:
+        return 1  # the placeholder for dropped positions
+
+    def describe(self) -> str:
+        return f"window {self.window}"
+
 
 @dataclass(frozen=True)
 class ChunkedLocal:
@@ -48,6 +85,23 @@ class ChunkedLocal:
 
     def __post_init__(self) -> None:
         _positive("ChunkedLocal", "chunk", self.chunk)
+
+    def resident_blocks(self, num_tokens: int, block_size: int) -> int:
+        aligned = self.chunk % block_size == 0
+        return min(cdiv(num_tokens, block_size), cdiv(self.chunk, block_size) + (0 if aligned else 1))
+
+    def step_blocks(self, max_batched_tokens: int, block_size: int) -> int:
+        return cdiv(max_batched_tokens, block_size)
+
+    def first_needed(self, position: int) -> int:
+        return position - position % self.chunk
+
+    @property
+    def null_blocks(self) -> int:
+        return 1  # the placeholder for dropped positions
+
+    def describe(self) -> str:
+        return f"chunk {self.chunk}"
 
 
 @dataclass(frozen=True)
@@ -62,6 +116,24 @@ class Recurrent:
         if self.checkpoint_every is not None:
             _positive("Recurrent", "checkpoint_every", self.checkpoint_every)
 
+    def resident_blocks(self, num_tokens: int, block_size: int) -> int:
+        return 0  # a state slot, not blocks
+
+    def step_blocks(self, max_batched_tokens: int, block_size: int) -> int:
+        return 0
+
+    def first_needed(self, position: int) -> int:
+        return position  # the state summarises everything before
+
+    @property
+    def null_blocks(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        if self.checkpoint_every:
+            return f"recurrent (checkpoint every {self.checkpoint_every} blocks)"
+        return self.kind
+
 
 @dataclass(frozen=True)
 class Cross:
@@ -72,6 +144,22 @@ class Cross:
 
     def __post_init__(self) -> None:
         _positive("Cross", "max_encoder_len", self.max_encoder_len)
+
+    def resident_blocks(self, num_tokens: int, block_size: int) -> int:
+        return cdiv(self.max_encoder_len, block_size)
+
+    def step_blocks(self, max_batched_tokens: int, block_size: int) -> int:
+        return 0
+
+    def first_needed(self, position: int) -> int:
+        return 0
+
+    @property
+    def null_blocks(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return f"cross {self.max_encoder_len}"
 
 
 Retention = Union[Full, SlidingWindow, ChunkedLocal, Recurrent, Cross]
@@ -85,20 +173,9 @@ def blocks_per_request(retention: Retention, num_tokens: int, block_size: int) -
         raise InvalidArgumentError(
             f"need num_tokens >= 0 and block_size > 0, got {num_tokens}, {block_size}"
         )
-    whole = cdiv(num_tokens, block_size)
-    if isinstance(retention, Full):
-        return whole
-    if isinstance(retention, SlidingWindow):
-        # window - 1 earlier keys plus the current token, unaligned to a block boundary
-        return min(whole, cdiv(retention.window - 1, block_size) + 1)
-    if isinstance(retention, ChunkedLocal):
-        aligned = retention.chunk % block_size == 0
-        return min(whole, cdiv(retention.chunk, block_size) + (0 if aligned else 1))
-    if isinstance(retention, Cross):
-        return cdiv(retention.max_encoder_len, block_size)
-    if isinstance(retention, Recurrent):
-        return 0
-    raise ConfigError(f"unknown retention {retention!r}")
+    if not hasattr(retention, "resident_blocks"):
+        raise ConfigError(f"unknown retention {retention!r}")
+    return retention.resident_blocks(num_tokens, block_size)
 
 
 def step_blocks(retention: Retention, max_batched_tokens: int, block_size: int) -> int:
@@ -107,19 +184,9 @@ def step_blocks(retention: Retention, max_batched_tokens: int, block_size: int) 
     The step's token budget is shared by the whole batch, so this is counted once per
     step, not once per request. Full and cross layers already count every token.
     """
-    if isinstance(retention, (SlidingWindow, ChunkedLocal)):
-        return cdiv(max_batched_tokens, block_size)
-    return 0
+    return retention.step_blocks(max_batched_tokens, block_size)
 
 
 def describe(retention: Retention) -> str:
     """Short human form: ``full``, ``window 4096``, ``chunk 8192``, ``recurrent``, ..."""
-    if isinstance(retention, SlidingWindow):
-        return f"window {retention.window}"
-    if isinstance(retention, ChunkedLocal):
-        return f"chunk {retention.chunk}"
-    if isinstance(retention, Cross):
-        return f"cross {retention.max_encoder_len}"
-    if isinstance(retention, Recurrent) and retention.checkpoint_every:
-        return f"recurrent (checkpoint every {retention.checkpoint_every} blocks)"
-    return retention.kind
+    return retention.describe()

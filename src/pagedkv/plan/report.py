@@ -6,7 +6,9 @@ import dataclasses
 import re
 from typing import Any
 
+from pagedkv.errors import DoesNotFitError
 from pagedkv.kvspec import Retention
+from pagedkv.plan.elastic import PHYSICAL_PAGE_BYTES, PoolBounds, group_floor, plan_bounds
 from pagedkv.plan.explain import layer_mix, retention_label
 from pagedkv.plan.sizes import format_bytes
 from pagedkv.plan.types import (
@@ -40,7 +42,18 @@ def _capacity(cap: Capacity) -> dict[str, Any]:
     }
 
 
-def _group(g: Group) -> dict[str, Any]:
+def _bounds(plan: Plan) -> dict[int, PoolBounds]:
+    """Elastic floor and ceiling of each group's pool (empty when the floors, rounded up to
+    whole physical pages, overflow a tight plan: the block manager then keeps fixed pools)."""
+    try:
+        bounds = plan_bounds(plan)
+    except DoesNotFitError:
+        return {}
+    return {gid: b for b in bounds for gid in b.group_ids}
+
+
+def _group(g: Group, bounds: dict[int, PoolBounds]) -> dict[str, Any]:
+    b = bounds.get(g.id)
     return {
         "id": g.id,
         "layers": list(g.layer_names),
@@ -56,6 +69,9 @@ def _group(g: Group) -> dict[str, Any]:
         "step_blocks": g.step_blocks,
         "reserved_blocks": g.reserved_blocks,
         "pool": g.id if g.pool is None else g.pool,
+        # elastic pools: always kept / most the group's pool can hold of the shared budget
+        "floor_blocks": group_floor(g) if b else None,
+        "ceiling_blocks": b.usable_ceiling if b else None,
     }
 
 
@@ -97,6 +113,7 @@ def _alternative(r: StrategyReport) -> dict[str, Any]:
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The ``pagedkv plan --json`` object: plain JSON types only."""
     first = plan.ranks[0]
+    bounds = _bounds(plan)
     return {
         "strategy": plan.strategy,
         "budget_bytes": plan.budget_bytes,
@@ -107,7 +124,14 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "tp": plan.options.tp,
         "pp": plan.options.pp,
         "capacity": _capacity(plan.capacity),
-        "groups": [_group(g) for g in plan.groups],
+        "groups": [_group(g, bounds) for g in plan.groups],
+        "elastic": None if not bounds else {
+            "page_bytes": PHYSICAL_PAGE_BYTES,
+            "pools": [{"id": b.pool_id, "group_ids": list(b.group_ids),
+                       "block_bytes": b.block_bytes, "floor_blocks": b.floor_blocks,
+                       "ceiling_blocks": b.ceiling_blocks}
+                      for b in dict.fromkeys(bounds.values())],
+        },
         "ranks": len(plan.ranks),
         "rank_usage": [
             {
@@ -179,10 +203,12 @@ def format_plan(plan: Plan) -> str:
     opts = plan.options
     header = (
         "group", "retention", "layers", "models", "block", "B/token", "fixed B/req", "blocks",
-        "pool",
+        "pool", "floor", "ceiling",
     )
     rows = [header]
+    bounds = _bounds(plan)
     for g in plan.groups:
+        b = bounds.get(g.id)
         rows.append((
             str(g.id),
             retention_label(g),
@@ -193,6 +219,8 @@ def format_plan(plan: Plan) -> str:
             str(g.bytes_per_request),
             f"{g.num_blocks} slots" if g.is_recurrent else str(g.num_blocks),
             str(g.id if g.pool is None else g.pool),
+            str(group_floor(g)) if b else "-",
+            str(b.usable_ceiling) if b else "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     per_rank = " per rank" if len(plan.ranks) > 1 else ""
@@ -207,6 +235,9 @@ def format_plan(plan: Plan) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     if per_rank:
         lines.append("(bytes per rank: the rank that holds the most of each group)")
+    if bounds:
+        lines.append("(blocks: the fixed plan; floor / ceiling: what each group always keeps / "
+                     "can grow to when the pools share the budget by demand, the default)")
     lines.append("")
     for g in plan.groups:
         lines.append(f"group {g.id} layers: {compress_names(g.layer_names)}")

@@ -36,14 +36,13 @@ from pagedkv.plan.sizes import format_bytes
 from pagedkv.plan.stages import Stage
 
 ALIGNMENT = 256  # byte alignment of every tensor view inside a pool
-NULL_BLOCK_KINDS = ("sliding_window", "chunked_local")
 
 
 def reserved_blocks(retention: Retention) -> int:
     """Pages of a group's pool that no request ever holds: one null block for a
     sliding-window or chunked group (block tables hold it for positions the window
     dropped), none otherwise. The planner and the block manager both follow this."""
-    return 1 if retention.kind in NULL_BLOCK_KINDS else 0
+    return retention.null_blocks
 
 
 @dataclass(frozen=True)

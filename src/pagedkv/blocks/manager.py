@@ -1,5 +1,6 @@
 """The block manager of a whole plan: one manager per block-table group, one pool per
-memory pool, and the calls an engine makes every step.
+memory pool, and the calls an engine makes every step. Prefix lookup lives in
+:mod:`pagedkv.blocks.lookup`, checked mode in :mod:`pagedkv.blocks.checked`.
 
 Per request: ``add_request`` -> ``find_cached_prefix`` -> ``allocate`` (False: no room
 now; wait or preempt) -> after the forward ``commit`` -> ... -> ``free`` (or ``preempt``).
@@ -10,15 +11,21 @@ allocations run only when some group reaches its next boundary (``next_event``).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pagedkv.blocks import admission, checks
 from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.cross import CrossManager
+from pagedkv.blocks.elastic import ElasticPool
 from pagedkv.blocks.events import BlockEvent, CopyOp, EventLog, GroupMetrics, Metrics
 from pagedkv.blocks.full import FullManager
-from pagedkv.blocks.hashing import hash_extender, key_mixer, root_hash
+from pagedkv.blocks.hashing import DEFAULT_HASH, root_hash
+from pagedkv.blocks.ids import BlockId, GroupIndex, PoolId
+from pagedkv.blocks.lookup import PrefixLookup
+from pagedkv.blocks.pages import NO_STEP, PageLedger, PageOp, PoolRange
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.recurrent import (
     DEFAULT_POLICY,
@@ -26,9 +33,10 @@ from pagedkv.blocks.recurrent import (
     CheckpointPolicy,
     RecurrentManager,
 )
-from pagedkv.blocks.request import INF, RequestState
+from pagedkv.blocks.request import INF, PendingHit, RequestState
 from pagedkv.blocks.window import WindowManager
-from pagedkv.errors import CacheCorruptedError, InvalidArgumentError
+from pagedkv.errors import DoesNotFitError, InvalidArgumentError
+from pagedkv.plan.elastic import PHYSICAL_PAGE_BYTES, PoolBounds, plan_bounds, pool_bounds
 from pagedkv.plan.sizing import reserved_blocks
 from pagedkv.plan.types import Group, Plan
 
@@ -38,12 +46,6 @@ _MANAGERS: dict[str, type[GroupManager]] = {
     "chunked_local": WindowManager,
     "cross": CrossManager,
 }  # recurrent groups take one more argument (their checkpoint policy)
-
-# calls the checked mode guards (and refuses once corrupted)
-_PUBLIC = ("add_request", "find_cached_prefix", "allocate", "allocate_batch", "commit",
-           "commit_batch", "free", "preempt",
-           "block_tables", "check_fits", "metrics", "drain_events", "drain_copy_ops",
-           "reset_prefix_cache", "num_computed", "num_tokens")
 
 
 def _null_pages(groups: Iterable[Group]) -> int:
@@ -62,20 +64,49 @@ class KVCacheManager:
     ``group.num_blocks`` blocks. Block 0 of a pool serving a sliding-window or chunked group
     is the null block (:func:`pagedkv.plan.reserved_blocks`); a plan counts it in
     ``Group.num_blocks`` / ``Pool.num_pages`` (``reserved_blocks`` / ``reserved_pages``), so
-    the usable blocks equal the plan's. ``checked`` (default: env ``PAGEDKV_DEBUG=1``) sweeps every invariant after
-    every call. Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
+    the usable blocks equal the plan's. ``checked`` (default: env ``PAGEDKV_DEBUG=1``) builds a
+    :class:`~pagedkv.blocks.checked.CheckedKVCacheManager` instead, which verifies the
+    invariants each call touched after every call and sweeps everything every
+    ``sweep_every`` calls (default: about once per two block ids of all pools, at least
+    every 1,024 calls; 1: after every call, as the tests do). Recurrent checkpoints (prefix hits for recurrent groups; spare state slots
     only): ``recurrent_checkpoint_every`` None = the default :class:`CheckpointPolicy`
     (branch points, prompt ends, newest decoded block), N > 0 = every N blocks and nowhere
     else, 0 = none; ``checkpoint_policy`` overrides both. A retention's own interval wins.
+    Elastic pools (``budget_bytes``; ``from_plan`` by default): see docs/blocks.md. Steps:
+    ``own_steps`` (default) -- ``drain_copy_ops`` launches a step, and with ``sync_steps`` the
+    next call means it finished (else the engine calls ``step_finished``); ``own_steps=False``
+    when :class:`pagedkv.memory.PhysicalMemory` reports steps to the ledger itself.
+    ``stock_pages``: spare physical pages the backing keeps created.
+    ``hash_algo``: block keys (:mod:`pagedkv.blocks.hashing`; the default is safe for a
+    multi-tenant cache, ``"fast-single-tenant"`` is not); ``hash_secret``: a per-deployment
+    key folded into every chain, so keys cannot be computed without it.
     """
+
+    checked = False
+    pool_class: type[BlockPool] = BlockPool
+    elastic_pool_class: type[ElasticPool] = ElasticPool
+
+    def __new__(cls, *args: object, checked: bool | None = None, **kwargs: object
+                ) -> KVCacheManager:
+        if cls is KVCacheManager and (debug_from_env() if checked is None else checked):
+            from pagedkv.blocks.checked import CheckedKVCacheManager
+
+            cls = CheckedKVCacheManager
+        return super().__new__(cls)
 
     def __init__(self, groups: Sequence[Group], *,
                  pools: Mapping[int, tuple[Sequence[int], int]] | None = None,
                  max_model_len: int | None = None, max_batched_tokens: int = 2048,
-                 enable_caching: bool = True, hash_algo: str = "fast",
+                 enable_caching: bool = True, hash_algo: str = DEFAULT_HASH,
+                 hash_secret: bytes = b"",
                  checked: bool | None = None, events: bool = False,
                  recurrent_checkpoint_every: int | None = None,
-                 checkpoint_policy: CheckpointPolicy | None = None) -> None:
+                 checkpoint_policy: CheckpointPolicy | None = None,
+                 sweep_every: int | None = None, budget_bytes: int | None = None,
+                 pool_bytes: Mapping[int, int] | None = None,
+                 ceilings: Mapping[int, int] | None = None,
+                 page_bytes: int = PHYSICAL_PAGE_BYTES, sync_steps: bool = True,
+                 own_steps: bool = True, stock_pages: int = 4) -> None:
         if not groups:
             raise InvalidArgumentError("a block manager needs at least one group")
         if max_batched_tokens <= 0:
@@ -85,10 +116,23 @@ class KVCacheManager:
         self.max_batched_tokens = max_batched_tokens
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
-        self._extend = hash_extender(hash_algo)
-        self._mixer = key_mixer(hash_algo)
+        if sweep_every is not None and (not isinstance(sweep_every, int) or sweep_every <= 0):
+            raise InvalidArgumentError(f"sweep_every must be a positive integer, got {sweep_every!r}")
+        if not isinstance(hash_secret, bytes):
+            raise InvalidArgumentError(f"hash_secret must be bytes, got {type(hash_secret).__name__}")
+        self.hash_secret = hash_secret
         self.event_log = EventLog(events)
-        self.pools = self._make_pools(pools)
+        self.ledger: PageLedger | None = None
+        self.bounds: tuple[PoolBounds, ...] = ()
+        self.sync_steps = sync_steps and own_steps
+        self.own_steps = own_steps
+        self.stock_pages = stock_pages
+        self._step = NO_STEP
+        if budget_bytes is None:
+            self.pools = self._make_pools(pools)
+        else:
+            self.pools = self._make_elastic_pools(pools, budget_bytes, pool_bytes, ceilings,
+                                                  page_bytes)
         pool_of = {gid: pool for pool in self.pools for gid in pool.caches}
         if recurrent_checkpoint_every is not None and (
                 not isinstance(recurrent_checkpoint_every, int) or recurrent_checkpoint_every < 0):
@@ -101,37 +145,50 @@ class KVCacheManager:
                       if recurrent_checkpoint_every else NO_CHECKPOINTS)
         managers: list[GroupManager] = []
         for i, g in enumerate(self.groups):
-            args = (i, g, pool_of[g.id], enable_caching, self.event_log)
+            args = (GroupIndex(i), g, pool_of[g.id], enable_caching, self.event_log)
             if g.retention.kind == "recurrent":
                 managers.append(RecurrentManager(*args, policy))
             else:
                 managers.append(_MANAGERS[g.retention.kind](*args))
         self.managers: tuple[GroupManager, ...] = tuple(managers)
-        self._token_managers = tuple(m for m in self.managers if m.holds_tokens)
+        self.prefix = PrefixLookup(self.managers, self.pools, hash_algo, enable_caching)
+        self._token_managers = self.prefix.token_managers
         self._window_managers = tuple(m for m in self.managers if isinstance(m, WindowManager))
-        self._recurrent_managers = tuple(m for m in self.managers
-                                         if isinstance(m, RecurrentManager))
-        self._spare_by_pool: dict[int, tuple[RecurrentManager, ...]] = {}
+        self._recurrent_managers = self.prefix.recurrent_managers
+        self._spare_by_pool: dict[PoolId, tuple[RecurrentManager, ...]] = {}
         for m in self._recurrent_managers:
             pid = m.pool.pool_id
             self._spare_by_pool[pid] = self._spare_by_pool.get(pid, ()) + (m,)
-        self._block_sizes = tuple(sorted({m.bs for m in self.managers}))
-        self._any_caching = any(m.caching for m in self.managers)
         self._pool_per_group = len({m.pool.pool_id for m in self.managers}) == len(self.managers)
+        self._pool_by_id = {p.pool_id: p for p in self.pools}
+        # the full sweep walks every block id: by default it runs about once per that many
+        # calls (at least every 1,024), so its cost per call stays a small constant
+        self.sweep_every = sweep_every or max(1024, sum(p.num_blocks for p in self.pools) // 2)
         self._reqs: dict[object, RequestState] = {}
-        self.prefix_queries = 0
-        self.prefix_hits = 0
         self.preemptions = 0
-        self._corrupted: str | None = None
-        self.checked = debug_from_env() if checked is None else checked
-        if self.checked:
-            for name in _PUBLIC:
-                setattr(self, name, self._guard(getattr(self, name)))
+
+    @property
+    def prefix_queries(self) -> int:
+        """Prompt tokens looked up (a lookup redone after an eviction counts once)."""
+        return self.prefix.queries
+
+    @property
+    def prefix_hits(self) -> int:
+        """Of those, tokens served from the cache."""
+        return self.prefix.hits
+
+    def check_invariants(self) -> None:
+        """Full sweep of every invariant (:mod:`pagedkv.blocks.checks`); raises
+        :class:`CacheCorruptedError` naming the first violated one."""
+        checks.sweep(self)
 
     @classmethod
-    def from_plan(cls, plan: Plan, **kwargs: object) -> KVCacheManager:
-        """Manager for ``plan``: its groups and (rank 0's) pools, its token budget."""
-        pools = None
+    def from_plan(cls, plan: Plan, *, elastic: bool = True, **kwargs: object) -> KVCacheManager:
+        """Manager for ``plan``: its groups and (rank 0's) pools, its token budget. With
+        ``elastic`` (default) the pools share the plan's per-rank byte budget by demand
+        (:mod:`pagedkv.plan.elastic`); otherwise, or when the floors rounded up to whole
+        physical pages do not fit the budget, each keeps the plan's fixed size."""
+        pools: dict[int, tuple[Sequence[int], int]] | None = None
         if plan.ranks and plan.ranks[0].pools:
             by_id = {g.id: g for g in plan.groups}
             for p in plan.ranks[0].pools:
@@ -148,10 +205,52 @@ class KVCacheManager:
                 pools = None
         kwargs.setdefault("max_model_len", plan.options.max_model_len)
         kwargs.setdefault("max_batched_tokens", plan.options.max_batched_tokens)
+        if elastic:
+            try:
+                plan_bounds(plan)
+            except DoesNotFitError:  # floors rounded up to whole pages overflow a tight plan
+                elastic = False
+        if elastic:
+            kwargs.setdefault("budget_bytes", plan.budget_bytes)
+            if pools is not None:
+                kwargs.setdefault("pool_bytes", {p.id: p.page_bytes for p in plan.ranks[0].pools})
         return cls(plan.groups, pools=pools, **kwargs)  # type: ignore[arg-type]
 
-    def _make_pools(self, spec: Mapping[int, tuple[Sequence[int], int]] | None
-                    ) -> tuple[BlockPool, ...]:
+    def _make_elastic_pools(self, spec: Mapping[int, tuple[Sequence[int], int]] | None,
+                            budget: int, pool_bytes: Mapping[int, int] | None,
+                            ceilings: Mapping[int, int] | None, page_bytes: int
+                            ) -> tuple[BlockPool, ...]:
+        """Pools over one :class:`PageLedger`: floors mapped, ceilings from the budget."""
+        if not isinstance(budget, int) or budget <= 0:
+            raise InvalidArgumentError(f"budget_bytes must be a positive integer, got {budget!r}")
+        if self.max_model_len is None:
+            raise InvalidArgumentError("an elastic budget needs max_model_len (the floors)")
+        by_id = {g.id: g for g in self.groups}
+        if spec is None:
+            spec = {g.id: ((g.id,), g.num_blocks) for g in self.groups}
+        shapes = {}
+        for pid, (gids, _) in spec.items():
+            groups = tuple(by_id[g] for g in gids if g in by_id)
+            bb = (pool_bytes or {}).get(pid) or max(g.page_bytes for g in groups)
+            shapes[pid] = (groups, bb, _null_pages(groups))
+        self.bounds = pool_bounds(shapes, budget, page_bytes)
+        if ceilings:
+            self.bounds = tuple(
+                dataclasses.replace(b, ceiling_blocks=max(b.floor_blocks, ceilings[b.pool_id]))
+                if b.pool_id in ceilings else b for b in self.bounds)
+        self.ledger = PageLedger(
+            [PoolRange(PoolId(b.pool_id), b.block_bytes, b.ceiling_blocks, b.floor_blocks)
+             for b in self.bounds], budget, page_bytes, stock_pages=self.stock_pages)
+        sized = {b.pool_id: (spec[b.pool_id][0], b.ceiling_blocks) for b in self.bounds}
+        floors = {b.pool_id: b.floor_blocks for b in self.bounds}
+        pools = self._make_pools(sized, lambda num, pid, events, reserve_null: self.elastic_pool_class(
+            num, pid, events, reserve_null, self.ledger, floors[pid]))
+        for pool in pools:
+            pool.peers = pools  # type: ignore[attr-defined]
+        return pools
+
+    def _make_pools(self, spec: Mapping[int, tuple[Sequence[int], int]] | None,
+                    make: Callable[..., BlockPool] | None = None) -> tuple[BlockPool, ...]:
         ids = [g.id for g in self.groups]
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"group ids repeat: {ids}")
@@ -161,8 +260,9 @@ class KVCacheManager:
         seen: list[int] = []
         by_id = {g.id: g for g in self.groups}
         for pid, (gids, num_blocks) in spec.items():
-            pool = BlockPool(num_blocks, pid, self.event_log,
-                             reserve_null=_null_pages(by_id[g] for g in gids if g in by_id) > 0)
+            pool = (make or self.pool_class)(
+                num_blocks, PoolId(pid), self.event_log,
+                reserve_null=_null_pages(by_id[g] for g in gids if g in by_id) > 0)
             for gid in gids:
                 pool.cache_for(gid)
                 seen.append(gid)
@@ -172,29 +272,6 @@ class KVCacheManager:
                 f"every group must be in exactly one pool: groups {sorted(ids)}, pools hold {sorted(seen)}"
             )
         return tuple(pools)
-
-    # --- checked mode ------------------------------------------------------------------
-    def _guard(self, method):  # noqa: ANN001, ANN202 - wraps bound methods one to one
-        def checked_call(*args, **kwargs):
-            if self._corrupted is not None:
-                raise CacheCorruptedError(f"manager refuses calls after: {self._corrupted}")
-            result = method(*args, **kwargs)
-            self.check_invariants()
-            return result
-
-        checked_call.__name__ = method.__name__
-        checked_call.__doc__ = method.__doc__
-        return checked_call
-
-    def check_invariants(self) -> None:
-        """Full sweep; on a violation the manager is marked corrupted and refuses calls."""
-        if self._corrupted is not None:
-            raise CacheCorruptedError(f"manager refuses calls after: {self._corrupted}")
-        try:
-            checks.sweep(self)
-        except CacheCorruptedError as exc:
-            self._corrupted = str(exc)
-            raise
 
     # --- requests ----------------------------------------------------------------------
     def check_fits(self, num_tokens: int) -> None:
@@ -219,9 +296,9 @@ class KVCacheManager:
         for a, b, _ in spans:
             if not 0 <= a < b:
                 raise InvalidArgumentError(f"bad multimodal span [{a}, {b})")
-        req = RequestState(request_id, list(prompt_tokens), root_hash(tuple(extra_keys)),
+        req = RequestState(request_id, list(prompt_tokens), root_hash(tuple(extra_keys), self.hash_secret),
                            spans, len(self.managers), max_new_tokens)
-        self._hash_full_blocks(req)  # once per prompt; later blocks as they fill
+        self.prefix.hash_full_blocks(req)  # once per prompt; later blocks as they fill
         self._reqs[request_id] = req
 
     def _req(self, request_id: object) -> RequestState:
@@ -229,31 +306,6 @@ class KVCacheManager:
             return self._reqs[request_id]
         except KeyError:
             raise InvalidArgumentError(f"unknown request {request_id!r}") from None
-
-    def _hash_full_blocks(self, req: RequestState) -> None:
-        """Extend every block size's hash chain over newly full blocks of known tokens."""
-        if not self.enable_caching:
-            return
-        tokens = req.tokens
-        for bs in self._block_sizes:
-            hashes = req.hashes.get(bs)
-            if hashes is None:
-                hashes = req.hashes[bs] = []
-            start = len(hashes)
-            stop = len(tokens) // bs
-            if stop <= start:
-                continue
-            parent = hashes[-1] if hashes else req.root
-            if not req.mm_spans:
-                self._extend(tokens, start, stop, bs, parent, hashes)
-                continue
-            for j in range(start, stop):  # blocks with multimodal content mix its ids in
-                self._extend(tokens, j, j + 1, bs, parent, hashes)
-                lo, hi = j * bs, (j + 1) * bs
-                ids = [h for a, b, h in req.mm_spans if a < hi and b > lo]
-                if ids:
-                    hashes[-1] = self._mixer(hashes[-1], ids)
-                parent = hashes[-1]
 
     def find_cached_prefix(self, request_id: object) -> int:
         """Tokens of the request already cached in every group (the longest prefix all
@@ -263,37 +315,7 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"request {request_id!r} already holds blocks; look up before allocating"
             )
-        return self._lookup(req)
-
-    def _lookup(self, req: RequestState) -> int:
-        self.prefix_queries += len(req.tokens)
-        if not self._any_caching:
-            req.pending = (0, self._epoch(), [[] for _ in self.managers])
-            req.fast_limit = req.slot_limit = -1
-            return 0
-        h = len(req.tokens) - 1
-        hits: list[list[int]] = [[] for _ in self.managers]
-        answers = [-1] * len(self.managers)
-        branch = -1  # what the token groups alone have cached: where requests diverge
-        while True:  # fixed point: every group's longest valid hit of at most h equals h
-            for m in self.managers:
-                if answers[m.index] != h:
-                    answers[m.index], hits[m.index] = m.find_hit(req, h)
-            if branch < 0 and self._recurrent_managers:
-                branch = min((answers[m.index] for m in self._token_managers), default=0)
-            lowest = min(answers)
-            if lowest == h:
-                break
-            h = lowest
-        for m in self._recurrent_managers:
-            m.plan_marks(req, h, branch)
-        self.prefix_hits += h
-        req.pending = (h, self._epoch(), hits)
-        req.fast_limit = req.slot_limit = -1
-        return h
-
-    def _epoch(self) -> int:
-        return sum(p.epoch for p in self.pools)
+        return self.prefix.lookup(req)
 
     def allocate(self, request_id: object, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         """Slots for ``num_new_tokens`` tokens to compute this step plus ``num_lookahead``
@@ -328,14 +350,8 @@ class KVCacheManager:
     def _allocate_slow(self, req: RequestState, n: int, lookahead: int) -> bool:
         if n < 0 or lookahead < 0:
             raise InvalidArgumentError(f"token counts must be >= 0, got {n} and {lookahead}")
-        pending = req.pending
-        if pending is not None and pending[1] != self._epoch():  # a hit block was evicted
-            req.pending = None
-            self.prefix_queries -= len(req.tokens)
-            self.prefix_hits -= pending[0]
-            self._lookup(req)
-            pending = req.pending
-        start = pending[0] if pending is not None else req.num_computed
+        pending = self.prefix.revalidate(req)  # a hit block may have been evicted since
+        start = pending.tokens if pending is not None else req.num_computed
         end = start + n + lookahead
         if end > len(req.tokens) + lookahead:
             raise InvalidArgumentError(
@@ -345,7 +361,9 @@ class KVCacheManager:
         if pending is None:
             for m in self._window_managers:
                 m.drop_out_of_window(req)
-        hits = pending[2] if pending is not None else None
+        hits = pending.blocks if pending is not None else None
+        if self.ledger is not None:
+            return self._allocate_elastic(req, pending, start, n, end, hits)
         short: list[tuple[BlockPool, int]] = []  # pools whose unsent saves must give way
         if self._pool_per_group:
             for m in self.managers:
@@ -372,11 +390,105 @@ class KVCacheManager:
             self._make_room(pool, k)  # checkpoints never block an allocation
         for m in self.managers:
             m.allocate(req, end, hits[m.index] if hits is not None else None)
+        self._after_allocate(req, pending, start, n, end)
+        return True
+
+    def _allocate_elastic(self, req: RequestState, pending: PendingHit | None, start: int,
+                          n: int, end: int, hits: list[list[BlockId]] | None) -> bool:
+        """Admission on bytes: every pool's new blocks must fit the shared budget (after
+        pools reuse their own cached blocks and others give back cached-only pages)."""
+        self._sync_ledger()
+        need: dict[int, int] = {}
+        for m in self.managers:
+            k = m.blocks_needed(req, end, hits[m.index] if hits is not None else None)
+            if k:
+                need[m.pool.pool_id] = need.get(m.pool.pool_id, 0) + k
+        ok, lean, costly = self._elastic_fits(need)
+        if not ok and self._spare_by_pool:
+            for pool in self.pools:  # checkpoints never block an allocation
+                if need.get(pool.pool_id):
+                    self._make_room(pool, pool.num_blocks)
+            ok, lean, costly = self._elastic_fits(need)
+        if not ok:
+            self._raise_if_never(req, end)
+            return False
+        # pools that map new pages go last, protected from each other's reclaim; the
+        # others take their blocks first, after which their remaining cached pages may go
+        late = [m for m in self.managers if m.pool in costly]
+        for pool in costly:
+            pool.protected = True  # type: ignore[attr-defined]
+        for pool in lean:
+            pool.lean = True  # type: ignore[attr-defined]
+        try:
+            for m in self.managers:
+                if m.pool not in costly:
+                    m.allocate(req, end, hits[m.index] if hits is not None else None)
+            for m in late:
+                m.allocate(req, end, hits[m.index] if hits is not None else None)
+        finally:
+            for pool in self.pools:
+                pool.protected = pool.lean = False  # type: ignore[attr-defined]
+        self._after_allocate(req, pending, start, n, end)
+        return True
+
+    def _elastic_fits(self, need: Mapping[int, int]
+                      ) -> tuple[bool, list[BlockPool], list[BlockPool]]:
+        """Whether ``need`` (pool id -> new blocks) fits; which pools must reuse their own
+        cached blocks rather than map new pages (the budget is short); which map pages."""
+        ledger = self.ledger
+        free = ledger.free_bytes()  # type: ignore[union-attr]
+        worst = 0  # every new block on pages of its own: enough budget then, no more to ask
+        for pid, k in need.items():
+            pool = self._pool_by_id[pid]
+            if k > pool.num_plain_free():
+                break
+            worst += k * pool.worst_bytes  # type: ignore[attr-defined]
+        else:
+            if worst <= free:
+                return True, [], []
+        costs: list[tuple[BlockPool, int]] = []
+        total = 0
+        for pool in self.pools:
+            k = need.get(pool.pool_id, 0)
+            if not k:
+                continue
+            plain = pool.num_plain_free()
+            if k > plain + len(pool.evictable):
+                return False, [], []
+            c = pool.cost_of(min(k, plain))  # type: ignore[attr-defined]
+            costs.append((pool, c))
+            total += c
+        if total <= free:
+            return True, [], [p for p, c in costs if c]
+        lean = [p for p, c in costs if c and need[p.pool_id] <= len(p.evictable)]
+        costly = [p for p, c in costs if c and p not in lean]
+        total = sum(c for p, c in costs if p in costly)
+        if total <= free:
+            return True, lean, costly
+        spare = 0
+        for q in self.pools:
+            if q in costly or not q.evictable:
+                continue
+            k = need.get(q.pool_id, 0)  # it takes up to k of its oldest cached blocks first
+            rest = list(itertools.islice(q.evictable, k, None)) if k else q.evictable
+            spare += ledger.bytes_freed_by(q.pool_id, rest)  # type: ignore[union-attr]
+            if total <= free + spare:
+                return True, lean, costly
+        return False, lean, costly
+
+    def _sync_ledger(self) -> None:
+        """Synchronous engines: a call after a step's launch means that step finished."""
+        ledger = self.ledger
+        if ledger is not None and self.sync_steps and ledger.launched > ledger.finished:
+            ledger.step_finished(ledger.launched)
+
+    def _after_allocate(self, req: RequestState, pending: PendingHit | None, start: int,
+                        n: int, end: int) -> None:
         if pending is not None:
             req.num_computed = start
             req.pending = None
         if self.enable_caching and (n > 1 or self._recurrent_managers):
-            self._hash_full_blocks(req)
+            self.prefix.hash_full_blocks(req)
             for m in self._recurrent_managers:
                 m.reserve_checkpoints(req, start, end)
             if n > 1:  # a prefill chunk: its known tokens are final
@@ -385,7 +497,6 @@ class KVCacheManager:
         if pending is not None or (self._recurrent_managers and any(req.saves)):
             req.next_event = 0  # the next commit releases copy sources, caches saves
         self._update_limits(req, end)
-        return True
 
     def _spare(self, pool: BlockPool) -> int:
         """Slots of ``pool`` held by saves the engine has not been handed yet."""
@@ -456,11 +567,13 @@ class KVCacheManager:
                 self._commit_slow(req)
 
     def _commit_slow(self, req: RequestState) -> None:
+        if self.ledger is not None:
+            self._sync_ledger()
         if req.last_block_start >= req.num_computed:
             for m in self._token_managers:
                 m.trim(req)
             self._update_limits(req, req.num_computed)
-        self._hash_full_blocks(req)
+        self.prefix.hash_full_blocks(req)
         nxt = INF
         for m in self.managers:
             nxt = min(nxt, m.commit(req))
@@ -469,6 +582,7 @@ class KVCacheManager:
     def free(self, request_id: object) -> None:
         """The request finished: give back every block (cached ones stay evictable)."""
         req = self._req(request_id)
+        self._sync_ledger()
         self._release(req)
         del self._reqs[request_id]
 
@@ -476,6 +590,7 @@ class KVCacheManager:
         """Free the request's blocks for recompute; it keeps its tokens and can be looked
         up and allocated again (usually hitting the blocks it just cached)."""
         req = self._req(request_id)
+        self._sync_ledger()
         self._release(req)
         req.reset()
         req.num_preemptions += 1
@@ -514,13 +629,40 @@ class KVCacheManager:
                 m.ops = []
         for m in self._recurrent_managers:
             m.handed_out()  # the engine will write these saves: no longer cancellable
+        if self.ledger is not None and self.own_steps:  # launched: emptied pages wait for it
+            self._sync_ledger()
+            self._step += 1
+            self.ledger.step_launched(self._step)
         return out
+
+    def drain_page_ops(self) -> list[PageOp]:
+        """Physical pages to map and unmap (elastic pools), to apply before this step's
+        copy ops and forward: unmaps first (their last step has finished), then maps."""
+        return self.ledger.drain() if self.ledger is not None else []
+
+    def step_finished(self, step: int) -> None:
+        """Asynchronous engines (``sync_steps=False``): every step up to ``step`` (the
+        count of ``drain_copy_ops`` calls, from 0) has finished on the device."""
+        if self.ledger is not None:
+            self.ledger.step_finished(step)
+
+    def mapped_bytes(self) -> int:
+        """Bytes of physical pages the pools hold (the whole budget for fixed pools)."""
+        if self.ledger is None:
+            return sum(p.num_blocks * m.group.page_bytes for p, m in
+                       {m.pool.pool_id: (m.pool, m) for m in self.managers}.values())
+        return self.ledger.mapped_bytes()
+
+    def floor_bytes(self) -> int:
+        """Bytes the elastic pools' floors keep mapped (0 for fixed pools)."""
+        return self.ledger.floor_bytes() if self.ledger is not None else 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (new weights, ...). Only while no request holds
         blocks, as a held block's hash is how sharing is checked; False otherwise."""
         if any(p.used[g] for p in self.pools for g in p.used):
             return False
+        self._sync_ledger()
         for pool in self.pools:
             pool.clear_cache()
         for req in self._reqs.values():

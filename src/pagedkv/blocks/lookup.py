@@ -1,0 +1,106 @@
+"""Prefix lookup: the hash chains of a request and the longest prefix every group agrees on.
+
+Each group answers "my longest valid hit of at most h tokens"; the lookup lowers h until
+every group answers h (a fixed point: a group's answer never exceeds the h it was asked).
+Recurrent groups also learn where the token groups' cached prefix ends (the branch point,
+where they save a checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedkv.blocks.base import GroupManager
+from pagedkv.blocks.hashing import hash_extender, key_mixer
+from pagedkv.blocks.pool import BlockPool
+from pagedkv.blocks.recurrent import RecurrentManager
+from pagedkv.blocks.request import PendingHit, RequestState
+
+
+class PrefixLookup:
+    """Hashes requests' full blocks and finds their cached prefix; counts queries and hits
+    (prompt tokens looked up, tokens served from the cache)."""
+
+    def __init__(self, managers: Sequence[GroupManager], pools: Sequence[BlockPool],
+                 hash_algo: str, enabled: bool) -> None:
+        self.managers = tuple(managers)
+        self.pools = tuple(pools)
+        self.enabled = enabled
+        self.token_managers = tuple(m for m in self.managers if m.holds_tokens)
+        self.recurrent_managers = tuple(m for m in self.managers
+                                        if isinstance(m, RecurrentManager))
+        self.any_caching = any(m.caching for m in self.managers)
+        self.block_sizes = tuple(sorted({m.bs for m in self.managers}))
+        self._extend = hash_extender(hash_algo)
+        self._mixer = key_mixer(hash_algo)
+        self.queries = 0
+        self.hits = 0
+
+    def epoch(self) -> int:
+        """Changes whenever any cached block loses its hash (a pending hit may be stale)."""
+        return sum(p.epoch for p in self.pools)
+
+    def hash_full_blocks(self, req: RequestState) -> None:
+        """Extend every block size's hash chain over newly full blocks of known tokens."""
+        if not self.enabled:
+            return
+        tokens = req.tokens
+        for bs in self.block_sizes:
+            hashes = req.hashes.get(bs)
+            if hashes is None:
+                hashes = req.hashes[bs] = []
+            start = len(hashes)
+            stop = len(tokens) // bs
+            if stop <= start:
+                continue
+            parent = hashes[-1] if hashes else req.root
+            if not req.mm_spans:
+                self._extend(tokens, start, stop, bs, parent, hashes)
+                continue
+            for j in range(start, stop):  # blocks with multimodal content mix its ids in
+                self._extend(tokens, j, j + 1, bs, parent, hashes)
+                lo, hi = j * bs, (j + 1) * bs
+                ids = [h for a, b, h in req.mm_spans if a < hi and b > lo]
+                if ids:
+                    hashes[-1] = self._mixer(hashes[-1], ids)
+                parent = hashes[-1]
+
+    def lookup(self, req: RequestState) -> int:
+        """Tokens of ``req`` cached in every group; leaves the hit pending on ``req``."""
+        self.queries += len(req.tokens)
+        managers = self.managers
+        if not self.any_caching:
+            req.pending = PendingHit(0, self.epoch(), [[] for _ in managers])
+            req.fast_limit = req.slot_limit = -1
+            return 0
+        h = len(req.tokens) - 1
+        hits: list[list[int]] = [[] for _ in managers]
+        answers = [-1] * len(managers)
+        branch = -1  # what the token groups alone have cached: where requests diverge
+        while True:  # fixed point: every group's longest valid hit of at most h equals h
+            for m in managers:
+                if answers[m.index] != h:
+                    answers[m.index], hits[m.index] = m.find_hit(req, h)
+            if branch < 0 and self.recurrent_managers:
+                branch = min((answers[m.index] for m in self.token_managers), default=0)
+            lowest = min(answers)
+            if lowest == h:
+                break
+            h = lowest
+        for m in self.recurrent_managers:
+            m.plan_marks(req, h, branch)
+        self.hits += h
+        req.pending = PendingHit(h, self.epoch(), hits)
+        req.fast_limit = req.slot_limit = -1
+        return h
+
+    def revalidate(self, req: RequestState) -> PendingHit | None:
+        """The pending hit of ``req``, looked up again if a block of it may be gone."""
+        pending = req.pending
+        if pending is not None and pending.epoch != self.epoch():
+            req.pending = None
+            self.queries -= len(req.tokens)
+            self.hits -= pending.tokens
+            self.lookup(req)
+            pending = req.pending
+        return pending

@@ -1,0 +1,422 @@
+"""Physical pages under the pools: which 2 MiB pages are mapped, within one byte budget.
+
+Each pool owns a contiguous *virtual* byte range sized for its ceiling. Block (or state
+slot) ``b`` of a pool occupies bytes ``[b * block_bytes, (b + 1) * block_bytes)`` of that
+range, all of its layers together (block-major), so a block lies on one page, straddles
+two, or -- a recurrent state slot -- spans many. Physical memory is mapped page by page
+only where blocks hold data, and every pool draws from one budget (bytes of pages held).
+
+The block manager tells the ledger which blocks hold data (:meth:`PageLedger.use`: a block
+allocated or kept in the prefix cache) and which no longer do (:meth:`PageLedger.release`:
+freed uncached, or evicted). A page is mapped when its first block is used; when its last
+block is released it is *pending*: still mapped and still charged, reusable for free, and
+unmapped only once every step launched before it emptied is known finished (the GPU may
+still be reading it; ``cuMemUnmap`` does not wait for queued work). The engine reports steps
+with :meth:`step_launched` / :meth:`step_finished` and, between steps, applies the
+:class:`UnmapOp` and :class:`MapOp` that :meth:`drain` returns. A finished step frees its
+pending pages' bytes at once; their unmaps come first in the next drain, so the device
+never holds more than the budget and the unmapped physical pages can serve the maps (a
+block used again before that drain cancels its page's unmap instead). Pages covering each pool's floor blocks are mapped at
+the start and never unmapped. The backing keeps :meth:`stock_wanted` pages pre-created so a
+map never waits for creation; those come out of the free bytes, never on top of the budget.
+
+Standard library only; the ledger holds no memory, it only decides. Cost: O(pages a block
+touches) per block used or released; the queries over pages are O(pages of the pool).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pagedkv.blocks.ids import BlockId, PoolId
+from pagedkv.errors import CacheCorruptedError, InvalidArgumentError, OutOfBlocksError
+
+PAGE_BYTES = 2 << 20  # the CUDA virtual-memory allocation granularity on current GPUs
+NO_STEP = -1  # "no step launched yet" / "no step used the page"
+
+_UNMAPPED, _MAPPED, _PENDING = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PoolRange:
+    """One pool's virtual byte range: blocks ``0 .. ceiling_blocks - 1`` of ``block_bytes``
+    each (the stride between consecutive blocks, padding included). The pages covering
+    blocks ``0 .. floor_blocks - 1`` stay mapped for the ledger's whole life."""
+
+    pool_id: PoolId
+    block_bytes: int
+    ceiling_blocks: int
+    floor_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class MapOp:
+    """Back page ``page`` of pool ``pool_id`` -- bytes ``[page * page_bytes, (page + 1) *
+    page_bytes)`` of its virtual range -- with a physical page, before the next step."""
+
+    pool_id: PoolId
+    page: int
+
+
+@dataclass(frozen=True)
+class UnmapOp:
+    """Unmap page ``page`` of pool ``pool_id`` and return its physical page to the stock.
+    Emitted only once step ``after_step`` (the last launched while the page held data;
+    ``NO_STEP`` if none) has finished; the backing may check its own event again."""
+
+    pool_id: PoolId
+    page: int
+    after_step: int
+
+
+PageOp = MapOp | UnmapOp
+
+
+def virtual_pages(spec: PoolRange, page_bytes: int) -> int:
+    """Pages of the pool's virtual range: its ceiling's bytes, rounded up to whole pages."""
+    return -(-spec.ceiling_blocks * spec.block_bytes // page_bytes)
+
+
+class _PoolPages:
+    """Per-pool state: page states, blocks in use per page, which blocks hold data."""
+
+    __slots__ = ("spec", "num_pages", "floor_pages", "state", "count", "held", "block_used")
+
+    def __init__(self, spec: PoolRange, page_bytes: int) -> None:
+        self.spec = spec
+        self.num_pages = virtual_pages(spec, page_bytes)
+        self.floor_pages = (
+            ((spec.floor_blocks * spec.block_bytes - 1) // page_bytes + 1)
+            if spec.floor_blocks else 0
+        )
+        self.state = bytearray(self.num_pages)
+        self.count = [0] * self.num_pages  # blocks holding data that overlap the page
+        self.held = 0  # pages mapped or pending (charged to the budget)
+        self.block_used = bytearray(spec.ceiling_blocks)
+
+
+class PageLedger:
+    """Decides which physical pages back the pools; see the module docstring.
+
+    ``budget_bytes`` bounds the bytes of pages held (mapped, queued to map, or pending
+    unmap) over all pools; the floors must fit in it. ``stock_pages`` is how many spare
+    pages the backing should keep created (capped by the free bytes).
+    """
+
+    def __init__(self, pools: Sequence[PoolRange], budget_bytes: int,
+                 page_bytes: int = PAGE_BYTES, stock_pages: int = 4) -> None:
+        if not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise InvalidArgumentError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        if not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise InvalidArgumentError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
+        if not isinstance(stock_pages, int) or stock_pages < 0:
+            raise InvalidArgumentError(f"stock_pages must be an int >= 0, got {stock_pages!r}")
+        self.page_bytes = page_bytes
+        self.budget_pages = budget_bytes // page_bytes
+        self.stock_pages = stock_pages
+        self._pools: dict[PoolId, _PoolPages] = {}
+        for spec in pools:
+            if spec.pool_id in self._pools:
+                raise InvalidArgumentError(f"pool {spec.pool_id} given twice")
+            if spec.block_bytes <= 0 or spec.ceiling_blocks <= 0:
+                raise InvalidArgumentError(
+                    f"pool {spec.pool_id}: block_bytes and ceiling_blocks must be positive, "
+                    f"got {spec.block_bytes} and {spec.ceiling_blocks}"
+                )
+            if not 0 <= spec.floor_blocks <= spec.ceiling_blocks:
+                raise InvalidArgumentError(
+                    f"pool {spec.pool_id}: floor_blocks {spec.floor_blocks} outside "
+                    f"0..{spec.ceiling_blocks} (the ceiling)"
+                )
+            self._pools[spec.pool_id] = _PoolPages(spec, page_bytes)
+        floor = sum(p.floor_pages for p in self._pools.values())
+        if floor > self.budget_pages:
+            raise InvalidArgumentError(
+                f"the pools' floors need {floor} pages of {page_bytes} bytes "
+                f"({floor * page_bytes} bytes), over the budget of {budget_bytes} bytes"
+            )
+        self._held = 0
+        self._maps: dict[tuple[PoolId, int], None] = {}  # queued, in order
+        self._pending: dict[tuple[PoolId, int], int] = {}  # page -> step it waits for
+        self._unmaps: dict[tuple[PoolId, int], UnmapOp] = {}  # to emit at the next drain
+        self.launched = NO_STEP  # last step handed to the device
+        self.finished = NO_STEP  # every step up to this one has finished
+        for pid, p in self._pools.items():
+            for page in range(p.floor_pages):
+                p.state[page] = _MAPPED
+                self._maps[(pid, page)] = None
+            p.held = p.floor_pages
+            self._held += p.floor_pages
+
+    # ---- accounting -------------------------------------------------------------------
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget_pages * self.page_bytes
+
+    def mapped_bytes(self, pool_id: PoolId | None = None) -> int:
+        """Bytes of pages held (mapped, queued to map, or pending unmap), of one pool or all."""
+        held = self._held if pool_id is None else self._pool(pool_id).held
+        return held * self.page_bytes
+
+    def free_bytes(self) -> int:
+        """Budget bytes no page holds: what :meth:`use` can still map now."""
+        return (self.budget_pages - self._held) * self.page_bytes
+
+    def pending_bytes(self) -> int:
+        """Bytes of empty pages still charged, waiting for the step in flight to finish."""
+        return len(self._pending) * self.page_bytes
+
+    def floor_bytes(self, pool_id: PoolId | None = None) -> int:
+        pools = self._pools.values() if pool_id is None else (self._pool(pool_id),)
+        return sum(p.floor_pages for p in pools) * self.page_bytes
+
+    def pool_range(self, pool_id: PoolId) -> PoolRange:
+        return self._pool(pool_id).spec
+
+    def num_pages(self, pool_id: PoolId) -> int:
+        """Pages of the pool's virtual range (its ceiling)."""
+        return self._pool(pool_id).num_pages
+
+    def stock_wanted(self) -> int:
+        """Spare physical pages the backing should hold created now (within the budget)."""
+        return min(self.stock_pages, self.budget_pages - self._held)
+
+    # ---- blocks -----------------------------------------------------------------------
+
+    def pages_of(self, pool_id: PoolId, block: BlockId) -> range:
+        """Pages block ``block`` of the pool overlaps."""
+        p = self._pool(pool_id)
+        self._check_block(p, block)
+        bb, pb = p.spec.block_bytes, self.page_bytes
+        return range(block * bb // pb, ((block + 1) * bb - 1) // pb + 1)
+
+    def blocks_on_page(self, pool_id: PoolId, page: int) -> range:
+        """Blocks of the pool that overlap page ``page`` (all of them lose their bytes if
+        it is unmapped)."""
+        p = self._pool(pool_id)
+        if not 0 <= page < p.num_pages:
+            raise InvalidArgumentError(
+                f"pool {pool_id}: page {page} outside 0..{p.num_pages - 1}")
+        bb, pb = p.spec.block_bytes, self.page_bytes
+        return range(page * pb // bb, min(p.spec.ceiling_blocks, -(-(page + 1) * pb // bb)))
+
+    def is_mapped(self, pool_id: PoolId, block: BlockId) -> bool:
+        """Whether every page of the block is held (using it then costs no bytes)."""
+        state = self._pool(pool_id).state
+        return all(state[pg] != _UNMAPPED for pg in self.pages_of(pool_id, block))
+
+    def holds_data(self, pool_id: PoolId, block: BlockId) -> bool:
+        p = self._pool(pool_id)
+        self._check_block(p, block)
+        return bool(p.block_used[block])
+
+    def bytes_to_use(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> int:
+        """Bytes :meth:`use` of these blocks would newly map (0: they fit on held pages)."""
+        new = self._new_pages(self._pool(pool_id), blocks)
+        return len(new) * self.page_bytes if new else 0
+
+    def use(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
+        """These blocks now hold data: map their pages (revive pending ones). All or
+        nothing: raises :class:`OutOfBlocksError` if the budget cannot hold the new pages."""
+        p = self._pools.get(pool_id) or self._pool(pool_id)
+        if not isinstance(blocks, (list, tuple, range)):
+            blocks = list(blocks)
+        new = self._new_pages(p, blocks)
+        if new and len(new) > self.budget_pages - self._held:
+            raise OutOfBlocksError(
+                f"pool {pool_id}: {len(blocks)} blocks need {len(new)} new pages of "
+                f"{self.page_bytes} bytes, {self.budget_pages - self._held} left in the "
+                f"budget of {self.budget_bytes} bytes"
+            )
+        bb, pb = p.spec.block_bytes, self.page_bytes
+        used, count, state = p.block_used, p.count, p.state
+        for b in blocks:
+            if used[b]:
+                raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
+            used[b] = 1
+            for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
+                count[pg] += 1
+                s = state[pg]
+                if s == _MAPPED:
+                    continue
+                key = (pool_id, pg)
+                if s == _PENDING:
+                    del self._pending[key]
+                else:
+                    # an unmap not yet drained is cancelled: the page never left the device
+                    if self._unmaps.pop(key, None) is None:
+                        self._maps[key] = None
+                    p.held += 1
+                    self._held += 1
+                state[pg] = _MAPPED
+
+    def release(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
+        """These blocks hold no data any more; pages left empty become pending (or, if
+        their map was never applied, are dropped at once)."""
+        p = self._pools.get(pool_id) or self._pool(pool_id)
+        bb, pb = p.spec.block_bytes, self.page_bytes
+        used, count, floor, ceiling = p.block_used, p.count, p.floor_pages, p.spec.ceiling_blocks
+        for b in blocks:
+            if not (0 <= b < ceiling and used[b]):
+                self._check_block(p, b)
+                raise CacheCorruptedError(f"pool {pool_id}: block {b} released but not in use")
+            used[b] = 0
+            for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
+                count[pg] -= 1
+                if not count[pg] and pg >= floor:
+                    self._emptied(p, pool_id, pg)
+
+    def _emptied(self, p: _PoolPages, pool_id: PoolId, pg: int) -> None:
+        key = (pool_id, pg)
+        if key in self._maps:  # never reached the device
+            del self._maps[key]
+            p.state[pg] = _UNMAPPED
+            p.held -= 1
+            self._held -= 1
+        elif self.launched <= self.finished:  # nothing in flight can read it
+            p.state[pg] = _UNMAPPED
+            p.held -= 1
+            self._held -= 1
+            self._unmaps[key] = UnmapOp(pool_id, pg, self.launched)
+        else:
+            p.state[pg] = _PENDING
+            self._pending[key] = self.launched
+
+    def bytes_freed_by(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> int:
+        """Bytes that would leave the budget (after the step in flight) if these blocks --
+        say cached ones the manager could evict -- were released."""
+        p = self._pool(pool_id)
+        hits: dict[int, int] = {}
+        for b in set(blocks):
+            if not self.holds_data(pool_id, b):
+                continue
+            for pg in self.pages_of(pool_id, b):
+                hits[pg] = hits.get(pg, 0) + 1
+        freed = sum(1 for pg, n in hits.items() if n == p.count[pg] and pg >= p.floor_pages)
+        return freed * self.page_bytes
+
+    def emptiest_pages(self, pool_id: PoolId, n: int) -> list[tuple[int, int]]:
+        """Up to ``n`` (page, blocks holding data) of the pool's unmappable pages that hold
+        data, fewest blocks first: where evicting frees a page soonest."""
+        p = self._pool(pool_id)
+        count = p.count
+        found = heapq.nsmallest(
+            n, ((count[pg], pg) for pg in range(p.floor_pages, p.num_pages) if count[pg]))
+        return [(pg, c) for c, pg in found]
+
+    def fullest_open_pages(self, pool_id: PoolId, n: int) -> list[tuple[int, int]]:
+        """Up to ``n`` (page, blocks holding data) of held pages with room for another
+        block, fullest first: where placing a new block packs pages tightest."""
+        p = self._pool(pool_id)
+        count, state = p.count, p.state
+        room = [(pg, count[pg]) for pg in range(p.num_pages)
+                if state[pg] != _UNMAPPED and count[pg] < len(self.blocks_on_page(pool_id, pg))]
+        return heapq.nlargest(n, room, key=lambda t: (t[1], -t[0]))
+
+    # ---- steps and ops ----------------------------------------------------------------
+
+    def step_launched(self, step: int) -> None:
+        """Step ``step`` (increasing ids) was handed to the device: pages emptied from now
+        on wait for it."""
+        if step <= self.launched:
+            raise InvalidArgumentError(f"step {step} launched after step {self.launched}")
+        self.launched = step
+
+    def step_finished(self, step: int) -> None:
+        """Every step up to ``step`` has finished on the device."""
+        if step > self.launched:
+            raise InvalidArgumentError(
+                f"step {step} finished but the last launched is {self.launched}")
+        if step <= self.finished:
+            return
+        self.finished = step
+        done = [k for k, s in self._pending.items() if s <= step]
+        for key in done:
+            waited = self._pending.pop(key)
+            pid, pg = key
+            p = self._pools[pid]
+            p.state[pg] = _UNMAPPED
+            p.held -= 1
+            self._held -= 1
+            self._unmaps[key] = UnmapOp(pid, pg, waited)
+
+    def drain(self) -> list[PageOp]:
+        """The ops to apply now, between steps, in order: unmaps (their step finished;
+        their bytes are already free in the ledger), then maps."""
+        out: list[PageOp] = list(self._unmaps.values())
+        out.extend(MapOp(pid, pg) for pid, pg in self._maps)
+        self._unmaps.clear()
+        self._maps.clear()
+        return out
+
+    # ---- checked mode -----------------------------------------------------------------
+
+    def check(self) -> None:
+        """Full sweep of the invariants; raises :class:`CacheCorruptedError`."""
+        bad: list[str] = []
+        held = 0
+        for pid, p in self._pools.items():
+            count = [0] * p.num_pages
+            for b in range(p.spec.ceiling_blocks):
+                if p.block_used[b]:
+                    for pg in self.pages_of(pid, b):
+                        count[pg] += 1
+                        if p.state[pg] != _MAPPED:
+                            bad.append(f"pool {pid}: block {b} holds data on unmapped page {pg}")
+            if count != p.count:
+                bad.append(f"pool {pid}: page counts drifted")
+            for pg in range(p.num_pages):
+                s = p.state[pg]
+                if pg < p.floor_pages and s != _MAPPED:
+                    bad.append(f"pool {pid}: floor page {pg} not mapped")
+                if (s == _PENDING) != ((pid, pg) in self._pending):
+                    bad.append(f"pool {pid}: page {pg} pending state disagrees")
+                if s == _PENDING and count[pg]:
+                    bad.append(f"pool {pid}: pending page {pg} holds {count[pg]} blocks")
+                if (pid, pg) in self._maps and s != _MAPPED:
+                    bad.append(f"pool {pid}: page {pg} queued to map but not held")
+                if (pid, pg) in self._unmaps and (s != _UNMAPPED or count[pg]):
+                    bad.append(f"pool {pid}: page {pg} queued to unmap but held")
+            n = sum(1 for s in p.state if s != _UNMAPPED)
+            if n != p.held:
+                bad.append(f"pool {pid}: holds {n} pages, counted {p.held}")
+            held += n
+        if held != self._held or held > self.budget_pages:
+            bad.append(f"{held} pages held (counted {self._held}), budget {self.budget_pages}")
+        if any(step > self.launched for step in self._pending.values()):
+            bad.append("a pending page waits for a step never launched")
+        if bad:
+            raise CacheCorruptedError("page ledger: " + "; ".join(bad[:5]))
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _pool(self, pool_id: PoolId) -> _PoolPages:
+        p = self._pools.get(pool_id)
+        if p is None:
+            raise InvalidArgumentError(
+                f"no pool {pool_id} in the page ledger (pools: {sorted(self._pools)})")
+        return p
+
+    @staticmethod
+    def _check_block(p: _PoolPages, block: int) -> None:
+        if not 0 <= block < p.spec.ceiling_blocks:
+            raise InvalidArgumentError(
+                f"pool {p.spec.pool_id}: block {block} outside 0..{p.spec.ceiling_blocks - 1}")
+
+    def _new_pages(self, p: _PoolPages, blocks: Iterable[BlockId]) -> set[int] | None:
+        """Unmapped pages under these blocks (None: none)."""
+        bb, pb, ceiling = p.spec.block_bytes, self.page_bytes, p.spec.ceiling_blocks
+        state = p.state
+        new: set[int] | None = None
+        for b in blocks:
+            if not 0 <= b < ceiling:
+                self._check_block(p, b)
+            for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
+                if state[pg] == _UNMAPPED:
+                    if new is None:
+                        new = set()
+                    new.add(pg)
+        return new
