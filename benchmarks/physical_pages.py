@@ -113,6 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-gib", type=float, default=48.0)
     p.add_argument("--stock", type=int, default=16)
     p.add_argument("--gpu-step-us", type=float, default=2000.0)
+    p.add_argument("--lag", type=int, default=0,
+                   help="wait (untimed) for step s - LAG before step s + 1, as an engine waits "
+                        "for sampled tokens; 0: the host runs ahead of the device")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -189,6 +192,8 @@ def main(argv=None) -> int:
             t4 = ns()
             mem.after_launch(s)  # event, deferred unmaps, stock: while the device works
             t5 = ns()
+            if args.lag and s >= args.lag:  # an engine waits for step s - lag's tokens
+                mem.backing.steps.wait(s - args.lag)
             between = (t3 - t2) + (t5 - t4)
             before_ns = t3 - t2
         else:
@@ -213,7 +218,7 @@ def main(argv=None) -> int:
     res = {
         "backing": backing_kind, "requests": args.requests, "steps": n,
         "block_bytes": args.block_bytes, "block_size": args.block_size,
-        "gpu_step_us": args.gpu_step_us if cuda else 0,
+        "gpu_step_us": args.gpu_step_us if cuda else 0, "lag": args.lag,
         "baseline_us_per_step": sum(t_base) / n / 1e3,
         "paged_us_per_step": sum(t_paged) / n / 1e3,
         "added_us_per_step": (sum(t_paged) - sum(t_base)) / n / 1e3,

@@ -82,7 +82,8 @@ def virtual_pages(spec: PoolRange, page_bytes: int) -> int:
 class _PoolPages:
     """Per-pool state: page states, blocks in use per page, which blocks hold data."""
 
-    __slots__ = ("spec", "num_pages", "floor_pages", "state", "count", "held", "block_used")
+    __slots__ = ("spec", "num_pages", "floor_pages", "state", "count", "held", "block_used",
+                 "span")
 
     def __init__(self, spec: PoolRange, page_bytes: int) -> None:
         self.spec = spec
@@ -95,6 +96,7 @@ class _PoolPages:
         self.count = [0] * self.num_pages  # blocks holding data that overlap the page
         self.held = 0  # pages mapped or pending (charged to the budget)
         self.block_used = bytearray(spec.ceiling_blocks)
+        self.span = (spec.block_bytes + page_bytes - 2) // page_bytes + 1  # most pages a block touches
 
 
 class PageLedger:
@@ -224,15 +226,21 @@ class PageLedger:
         p = self._pools.get(pool_id) or self._pool(pool_id)
         if not isinstance(blocks, (list, tuple, range)):
             blocks = list(blocks)
-        new = self._new_pages(p, blocks)
-        if new and len(new) > self.budget_pages - self._held:
+        room = self.budget_pages - self._held
+        # count the new pages only when the budget could fall short of the worst case
+        new = self._new_pages(p, blocks) if len(blocks) * p.span > room else None
+        if new and len(new) > room:
             raise OutOfBlocksError(
                 f"pool {pool_id}: {len(blocks)} blocks need {len(new)} new pages of "
                 f"{self.page_bytes} bytes, {self.budget_pages - self._held} left in the "
                 f"budget of {self.budget_bytes} bytes"
             )
-        bb, pb = p.spec.block_bytes, self.page_bytes
+        bb, pb, ceiling = p.spec.block_bytes, self.page_bytes, p.spec.ceiling_blocks
         used, count, state = p.block_used, p.count, p.state
+        if new is None:  # ids not checked by the count
+            for b in blocks:
+                if not 0 <= b < ceiling:
+                    self._check_block(p, b)
         for b in blocks:
             if used[b]:
                 raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
