@@ -133,6 +133,15 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
         ("sliding_window", 1024, 50, 50 * gqa(16, 256, itemsize=FP8)),
         ("full", None, 10, 10 * gqa(4, 512, itemsize=FP8)),
     ],
+    # --- Gemma 3 ------------------------------------------------------------------------------
+    # text_config (gemma3_text) as published: neither layer_types nor sliding_window_pattern, so
+    # transformers' Gemma3TextConfig pattern 6 applies: layer i is full when (i + 1) % 6 == 0 ->
+    # layers 5, 11, ..., 59 = 10 full, 62 - 10 = 52 sliding (sliding_window 1024). Both kinds:
+    # 16 KV heads x head_dim 128 x 2 (K, V) x 2 B = 8192 B/token/layer
+    "google--gemma-3-27b-it.json": [
+        ("sliding_window", 1024, 52, 52 * gqa(16, 128)),
+        ("full", None, 10, 10 * gqa(16, 128)),
+    ],
     # --- Llama ---------------------------------------------------------------------------------
     # no no_rope_layers: transformers' Llama4TextConfig default interval 4 makes layers 3, 7, ...,
     # 47 NoPE (12, global) and the other 36 RoPE layers chunked (attention_chunk_size 8192);
@@ -157,6 +166,14 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     "mistralai--Mixtral-8x7B-v0.1.json": [("full", None, 32, 32 * gqa(8, 128))],
     # 56 layers x 8 KV heads x (6144 / 48 = 128)
     "mistralai--Mixtral-8x22B-v0.1.json": [("full", None, 56, 56 * gqa(8, 128))],
+    # sliding_window null: 32 full layers x 8 KV heads x (4096 / 32 = 128) x 2 x 2 B = 4096
+    "mistralai--Mistral-7B-Instruct-v0.3.json": [("full", None, 32, 32 * gqa(8, 128))],
+    # --- Phi -----------------------------------------------------------------------------------
+    # phi3, sliding_window null: 40 layers x 10 KV heads x (5120 / 40 = 128) x 2 x 2 B = 5120
+    "microsoft--phi-4.json": [("full", None, 40, 40 * gqa(10, 128))],
+    # phi: 24 layers x 32 KV heads x (2048 / 32 = 64) x 2 values; torch_dtype float32 runs as
+    # bf16 (as engines do with --dtype auto, docs/models.md): 32 x 64 x 2 x 2 B = 8192
+    "microsoft--phi-1.json": [("full", None, 24, 24 * gqa(32, 64))],
     # --- Nemotron-H (Mamba2 hybrids) -----------------------------------------------------------
     # hybrid_override_pattern: 10 '*' attention (8 KV heads x attention_head_dim 128 = 4096 B),
     # 54 'M' Mamba2, 54 '-' MLP. Mamba2: 256 heads x 64, state 256, 8 groups, kernel 4; no
