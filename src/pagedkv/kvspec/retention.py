@@ -74,8 +74,25 @@ class Cross:
         _positive("Cross", "max_encoder_len", self.max_encoder_len)
 
 
-Retention = Union[Full, SlidingWindow, ChunkedLocal, Recurrent, Cross]
-RETENTION_KINDS = ("full", "sliding_window", "chunked_local", "recurrent", "cross")
+@dataclass(frozen=True)
+class Compressed:
+    """One entry per ``ratio`` tokens, each kept for the life of the request (DeepSeek-V4's
+    compressed K/V and indexer keys: every complete window of ``ratio`` tokens is pooled into
+    one entry; the tokens of an incomplete window are per-request state, not entries).
+
+    A block of a compressed group holds ``block_size`` entries, i.e. covers
+    ``block_size * ratio`` tokens; the layer's layout describes one entry.
+    """
+
+    ratio: int
+    kind: Literal["compressed"] = field(default="compressed", init=False)
+
+    def __post_init__(self) -> None:
+        _positive("Compressed", "ratio", self.ratio)
+
+
+Retention = Union[Full, SlidingWindow, ChunkedLocal, Recurrent, Cross, Compressed]
+RETENTION_KINDS = ("full", "sliding_window", "chunked_local", "recurrent", "cross", "compressed")
 
 
 def blocks_per_request(retention: Retention, num_tokens: int, block_size: int) -> int:
@@ -98,6 +115,8 @@ def blocks_per_request(retention: Retention, num_tokens: int, block_size: int) -
         return cdiv(retention.max_encoder_len, block_size)
     if isinstance(retention, Recurrent):
         return 0
+    if isinstance(retention, Compressed):
+        return cdiv(num_tokens // retention.ratio, block_size)  # complete windows only
     raise ConfigError(f"unknown retention {retention!r}")
 
 
@@ -105,7 +124,8 @@ def step_blocks(retention: Retention, max_batched_tokens: int, block_size: int) 
     """Blocks the tokens of one step add on top of every request's resident window.
 
     The step's token budget is shared by the whole batch, so this is counted once per
-    step, not once per request. Full and cross layers already count every token.
+    step, not once per request. Full, cross and compressed layers already count every
+    token (entry) they keep.
     """
     if isinstance(retention, (SlidingWindow, ChunkedLocal)):
         return cdiv(max_batched_tokens, block_size)
@@ -120,6 +140,8 @@ def describe(retention: Retention) -> str:
         return f"chunk {retention.chunk}"
     if isinstance(retention, Cross):
         return f"cross {retention.max_encoder_len}"
+    if isinstance(retention, Compressed):
+        return f"compressed 1/{retention.ratio}"
     if isinstance(retention, Recurrent) and retention.checkpoint_every:
         return f"recurrent (checkpoint every {retention.checkpoint_every} blocks)"
     return retention.kind
