@@ -28,7 +28,8 @@ from pagedkv.blocks.recurrent import (
 )
 from pagedkv.blocks.request import INF, RequestState
 from pagedkv.blocks.window import WindowManager
-from pagedkv.errors import CacheCorruptedError, InvalidArgumentError
+from pagedkv.errors import CacheCorruptedError, InvalidArgumentError, UnsupportedCapabilityError
+from pagedkv.kvspec.retention import describe
 from pagedkv.plan.sizing import reserved_blocks
 from pagedkv.plan.types import Group, Plan
 
@@ -104,6 +105,12 @@ class KVCacheManager:
             args = (i, g, pool_of[g.id], enable_caching, self.event_log)
             if g.retention.kind == "recurrent":
                 managers.append(RecurrentManager(*args, policy))
+            elif g.retention.kind not in _MANAGERS:
+                raise UnsupportedCapabilityError(
+                    f"group {i} keeps {describe(g.retention)} retention, which the block "
+                    "manager does not manage (pagedkv plan sizes it; simulation and "
+                    "allocation do not)"
+                )
             else:
                 managers.append(_MANAGERS[g.retention.kind](*args))
         self.managers: tuple[GroupManager, ...] = tuple(managers)
