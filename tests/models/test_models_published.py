@@ -142,6 +142,14 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
         ("sliding_window", 1024, 52, 52 * gqa(16, 128)),
         ("full", None, 10, 10 * gqa(16, 128)),
     ],
+    # text_config states only hidden_size, intermediate_size, num_hidden_layers 34 and
+    # sliding_window 1024: Gemma3TextConfig fills num_key_value_heads 4, head_dim 256 and the
+    # pattern 6 -> full layers 5, 11, 17, 23, 29 (5), sliding the other 29;
+    # 4 KV heads x 256 x 2 x 2 B = 4096 B/token/layer
+    "google--gemma-3-4b-it.json": [
+        ("sliding_window", 1024, 29, 29 * gqa(4, 256)),
+        ("full", None, 5, 5 * gqa(4, 256)),
+    ],
     # --- Llama ---------------------------------------------------------------------------------
     # no no_rope_layers: transformers' Llama4TextConfig default interval 4 makes layers 3, 7, ...,
     # 47 NoPE (12, global) and the other 36 RoPE layers chunked (attention_chunk_size 8192);
