@@ -255,3 +255,14 @@ def test_m3_reads_the_same_through_transformers_config_class():
     assert "minimax_m3_sparse" in flat["layer_types"]  # the form transformers writes
     flat.pop("sparse_attention_config", None)
     assert layers_from_config(flat) == layers_from_config(raw)
+
+
+@pytest.mark.parametrize("path", [V4_FLASH, M3], ids=["deepseek_v4", "minimax_m3"])
+def test_mtp_drafter_of_either_family_is_refused_in_one_line(cli, path):
+    # both carry num_nextn_predict_layers 1, but transformers skips their mtp.* weights
+    code, out, err = cli("plan", path, "--draft", "mtp", "--memory", "40GiB",
+                         "--max-model-len", "8192")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedkv: error:"), err
+    assert "--draft mtp" in lines[0] and "MTP" in lines[0]
