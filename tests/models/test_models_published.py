@@ -205,6 +205,18 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     # phi: 24 layers x 32 KV heads x (2048 / 32 = 64) x 2 values; torch_dtype float32 runs as
     # bf16 (as engines do with --dtype auto, docs/models.md): 32 x 64 x 2 x 2 B = 8192
     "microsoft--phi-1.json": [("full", None, 24, 24 * gqa(32, 64))],
+    # --- sliding 3 : 1 full by layer_types -----------------------------------------------------
+    # layer_types: 3 sliding_attention then 1 full_attention, 16 times -> 48 sliding (4096) +
+    # 16 full; 8 KV heads x head_dim 128 x 2 x 2 B = 4096 B/token/layer
+    "LGAI-EXAONE--EXAONE-4.0-32B.json": [
+        ("sliding_window", 4096, 48, 48 * gqa(8, 128)),
+        ("full", None, 16, 16 * gqa(8, 128)),
+    ],
+    # the same layer_types and window; 8 KV heads x (5120 / 40 = 128)
+    "allenai--Olmo-3.1-32B-Instruct.json": [
+        ("sliding_window", 4096, 48, 48 * gqa(8, 128)),
+        ("full", None, 16, 16 * gqa(8, 128)),
+    ],
     # --- Nemotron-H (Mamba2 hybrids) -----------------------------------------------------------
     # hybrid_override_pattern: 10 '*' attention (8 KV heads x attention_head_dim 128 = 4096 B),
     # 54 'M' Mamba2, 54 '-' MLP. Mamba2: 256 heads x 64, state 256, 8 groups, kernel 4; no
@@ -254,9 +266,15 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     ],
 }
 
-# No published fixture is refused today: DeepSeek-V4 (compress_ratios) and MiniMax-M3
-# (sparse_attention_config) were until they were modelled (both are in EXPECTED). The CLI's
-# refusals by field name are tested in tests/cli/test_cli_plan.py.
+# file -> the field its refusal must name: caches pagedkv does not model. (DeepSeek-V4's
+# compress_ratios and MiniMax-M3's sparse_attention_config were refused here until they were
+# modelled; both are in EXPECTED now.)
+REFUSED = {
+    # text_config.layer_types holds "conv": LFM2's short-convolution layers keep a per-request
+    # conv state that pagedkv has no layer kind for, so the config is refused, not read as
+    # attention
+    "LiquidAI--LFM2.5-VL-1.6B.json": "layer_types",
+}
 
 # (file, drafter) -> groups as (retention kind, position offset, layers, bytes per token or per
 # request). A drafter layer whose KV at position i comes from token i + 1 (MTP, EAGLE) has offset 1
@@ -320,7 +338,7 @@ def _groups(plan) -> list[tuple[str, int | None, int, int]]:
 def test_every_fixture_has_an_expectation_and_is_as_copied():
     files = {p.name for p in FIXTURES.glob("*.json")}
     assert len(files) >= 30
-    assert files == set(EXPECTED)
+    assert files == set(EXPECTED) | set(REFUSED)
     readme = (FIXTURES / "README.md").read_text(encoding="utf-8")
     # README rows: | file | repository | path | commit | sha256 |
     rows = {m[1]: m[2] for m in re.finditer(r"^\| (\S+\.json)[^|]*\|.*\| ([0-9a-f]{64}) \|$",
@@ -349,6 +367,16 @@ def test_published_config_plans_from_the_cli(cli, name):
         for g in result.json()["groups"]
     )
     assert got == sorted((kind, n, nbytes) for kind, _, n, nbytes in EXPECTED[name])
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_published_config_is_refused_by_name(cli, name):
+    result = cli("plan", FIXTURES / name, *CLI_ARGS)
+    assert result.code == 2
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedkv: error:"), result.err
+    assert REFUSED[name] in lines[0]
+    assert result.out == ""
 
 
 @pytest.mark.parametrize("name, draft", sorted(DRAFTED), ids=lambda x: str(x))
