@@ -266,3 +266,13 @@ def test_mtp_drafter_of_either_family_is_refused_in_one_line(cli, path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pagedkv: error:"), err
     assert "--draft mtp" in lines[0] and "MTP" in lines[0]
+
+
+def test_requests_shorter_than_a_window_plan_with_one_block_floor():
+    plan = make_plan(layers_from_config(SMALL_V4),
+                     PlanOptions(budget_bytes=GiB, max_model_len=100, block_size=16,
+                                 typical_len=50))
+    blocks = {(kind, ratio): b for kind, ratio, _, _, b in _groups(plan)}
+    assert blocks[("compressed", 4)] == 2  # 100 // 4 = 25 entries -> 2 blocks of 16
+    assert blocks[("compressed", 128)] == 1  # 100 // 128 = 0 entries; the pool lends 1 block
+    assert plan.capacity.max_concurrency > 1
