@@ -108,6 +108,9 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
         ("full", None, 12, 12 * gqa(8, 64)),
     ],
     # --- Qwen ----------------------------------------------------------------------------------
+    # qwen2: use_sliding_window false (sliding_window 131072 and max_window_layers 28 unused):
+    # 28 full layers x 4 KV heads x (3584 / 28 = 128) x 2 x 2 B = 2048 B/token/layer
+    "Qwen--Qwen2.5-7B-Instruct.json": [("full", None, 28, 28 * gqa(4, 128))],
     # 36 layers, use_sliding_window false; 8 KV heads x 128 x 2 x 2 B = 4096 B/token/layer
     "Qwen--Qwen3-8B.json": [("full", None, 36, 36 * gqa(8, 128))],
     # 64 layers x 8 KV heads x 128: fp8 block-scaled weights, KV stays bf16
@@ -199,6 +202,9 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     "mistralai--Mixtral-8x22B-v0.1.json": [("full", None, 56, 56 * gqa(8, 128))],
     # sliding_window null: 32 full layers x 8 KV heads x (4096 / 32 = 128) x 2 x 2 B = 4096
     "mistralai--Mistral-7B-Instruct-v0.3.json": [("full", None, 32, 32 * gqa(8, 128))],
+    # ministral3, sliding_window null: 88 full layers x 8 KV heads x head_dim 128 x 2 x 2 B
+    # = 4096; quantization_config fp8 is weights only (no kv_cache_scheme), KV stays bf16
+    "mistralai--Devstral-2-123B-Instruct.json": [("full", None, 88, 88 * gqa(8, 128))],
     # --- Phi -----------------------------------------------------------------------------------
     # phi3, sliding_window null: 40 layers x 10 KV heads x (5120 / 40 = 128) x 2 x 2 B = 5120
     "microsoft--phi-4.json": [("full", None, 40, 40 * gqa(10, 128))],

@@ -91,3 +91,18 @@ def test_kimi_k3_published_mxfp4_weights():
     assert parameter_counts(config)["experts"] == expert_params
     # the bundled catalog entry is read from the same published fields
     assert estimate_weight_bytes(load_config("kimi-k3")) == expected
+
+
+def test_devstral_2_published_per_tensor_fp8_weights():
+    """fp8 with weight_block_size null (one scale per tensor, negligible): 1 B per parameter
+    of every linear layer; embed_tokens and lm_head (modules_to_not_convert) stay bf16."""
+    config = json.loads((PUBLISHED / "mistralai--Devstral-2-123B-Instruct.json").read_text())
+    h, layers = 12288, 88  # hidden_size, num_hidden_layers
+    # attention: 96 heads x head_dim 128 = 12288 for q and o, 8 KV heads x 128 = 1024 for k, v:
+    # 2 x h x 12288 + 2 x h x 1024 = 327155712 per layer
+    attention = 2 * h * 12288 + 2 * h * 1024
+    mlp = 3 * h * 28672  # gated MLP of intermediate_size 28672 = 1056964608 per layer
+    embeddings = 2 * 131072 * h  # vocab_size 131072, untied: 3221225472
+    expected = layers * (attention + mlp) * 1 + embeddings * 2
+    assert expected == 128_245_039_104
+    assert estimate_weight_bytes(config) == expected
