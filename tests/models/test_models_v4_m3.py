@@ -276,3 +276,13 @@ def test_requests_shorter_than_a_window_plan_with_one_block_floor():
     assert blocks[("compressed", 4)] == 2  # 100 // 4 = 25 entries -> 2 blocks of 16
     assert blocks[("compressed", 128)] == 1  # 100 // 128 = 0 entries; the pool lends 1 block
     assert plan.capacity.max_concurrency > 1
+
+
+def test_v4_weights_are_not_estimated_so_gpu_plans_need_weights(cli):
+    args = ("--gpu", "h200", "--tp", "8", "--max-model-len", "8192")
+    code, out, err = cli("plan", V4_FLASH, *args)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "expert_dtype 'fp4'" in err
+    assert "--weights" in err
+    code, out, err = cli("plan", V4_FLASH, *args, "--weights", "160GB")
+    assert code == 0, err
