@@ -221,7 +221,7 @@ NAS_WINDOW = {"attention": {"n_heads_in_group": 2, "no_op": False, "window_lengt
     "extra, needle",
     [
         ({"compress_ratios": [0, 4]}, "compress_ratios"),
-        ({"model_type": "deepseek_v4"}, "deepseek_v4"),
+        ({"model_type": "deepseek_v4"}, "num_key_value_heads is 2"),  # V4 shares one K=V head
         ({"sparse_attention_config": {"use_sparse_attention": True}}, "sparse_attention_config"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"cross_attention_layers": [1]}, "cross_attention_layers"),
@@ -313,3 +313,27 @@ def test_via_transformers_gives_the_same_plan(cli):
     assert own["groups"] == via["groups"]
     code, _, err = cli("plan", "kimi-k3", "--via-transformers", *args)
     assert code == 2 and "kimi_k3" in err and len(err.strip().splitlines()) == 1
+
+
+def test_deepseek_v4_plans_its_window_compressed_streams_and_state(cli):
+    """The command a user runs on DeepSeek-V4-Flash as published; bytes from its fields
+    (head_dim 512, one K=V head, sliding_window 128, index_head_dim 128, bf16)."""
+    path = Path(__file__).parents[1] / "models" / "fixtures" / "published"
+    doc = plan_json(cli, str(path / "deepseek-ai--DeepSeek-V4-Flash.json"),
+                    "--memory", "40GiB", "--max-model-len", "131072")
+    got = sorted((g["retention"]["kind"], g["retention"].get("ratio"), len(g["layers"]),
+                  g["bytes_per_token"], g["bytes_per_request"], g["blocks_per_request"])
+                 for g in doc["groups"])
+    assert got == sorted([
+        ("sliding_window", None, 43, 43 * 512 * 2, 0, 127 // 16 + 1 + 1),  # ceil(127/16)+1 = 9
+        ("compressed", 4, 42, 21 * (512 * 2 + 128 * 2), 0, 131072 // 4 // 16),  # 2048 blocks
+        ("compressed", 128, 20, 20 * 512 * 2, 0, 131072 // 128 // 16),  # 64 blocks
+        # 20 HCA x 260096 (127 pending tokens x 512 kv + gate, bf16) + 21 CSA x 30720
+        ("recurrent", None, 41, 0, 20 * 260096 + 21 * 30720, 1),
+    ])
+    # one request: 9 x 16 x 44032 + 2048 x 16 x 26880 + 64 x 16 x 20480 + 5847040 bytes
+    # = 6340608 + 880803840 + 20971520 + 5847040 = 913963008; 40 GiB / that = 46.99, less the
+    # step's window blocks (2048 / 16 = 128 pages of 16 x 44032) and the null block
+    assert 46.8 < doc["capacity"]["max_concurrency"] < 47.0
+    (vllm,) = [a for a in doc["alternatives"] if a["name"].startswith("vllm")]
+    assert any("not modelled" in note for note in vllm["notes"])

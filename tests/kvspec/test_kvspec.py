@@ -13,6 +13,7 @@ from pagedkv.kvspec import (
     Attention,
     AttentionKV,
     ChunkedLocal,
+    Compressed,
     Cross,
     DType,
     Full,
@@ -21,6 +22,7 @@ from pagedkv.kvspec import (
     MLALatent,
     Recurrent,
     RecurrentState,
+    SharedKV,
     SlidingWindow,
     StateTensor,
     block_table_compatibility,
@@ -185,3 +187,52 @@ def test_incompatible_layers_refused_under_python_O():
 
 def test_dtype_sizes():
     assert DType("bf16").itemsize == 2 and DType.FP32.itemsize == 4 and DType.FP8.itemsize == 1
+
+
+# --- compressed retention, shared K=V, plain-dtype indexer keys (DeepSeek-V4, MiniMax-M3) -----
+
+
+@pytest.mark.parametrize(
+    "ratio, tokens, block_size, blocks",
+    [
+        (4, 131072, 16, 2048),  # 131072 // 4 = 32768 entries / 16 per block
+        (128, 131072, 16, 64),  # 131072 // 128 = 1024 entries / 16
+        (4, 7, 16, 1),  # 7 // 4 = 1 complete window -> 1 entry -> 1 block
+        (4, 3, 16, 0),  # no complete window yet: nothing kept
+        (128, 16 * 128 + 127, 16, 1),  # 16 entries fill one block; the open window is state
+        (128, 17 * 128, 16, 2),  # 17 entries -> 2 blocks
+    ],
+)
+def test_compressed_retention_keeps_one_entry_per_complete_window(ratio, tokens, block_size, blocks):
+    assert blocks_per_request(Compressed(ratio), tokens, block_size) == blocks
+    assert step_blocks(Compressed(ratio), 2048, block_size) == 0  # entries already counted
+
+
+@pytest.mark.parametrize("ratio", [0, -4, 2.5, None])
+def test_compressed_retention_needs_a_positive_ratio(ratio):
+    with pytest.raises(ConfigError, match="ratio"):
+        Compressed(ratio)
+
+
+def test_compressed_layers_share_a_table_only_with_the_same_ratio():
+    kv = SharedKV(512)
+    a = LayerSpec("a", kv, Compressed(4))
+    b = LayerSpec("b", IndexerKV(128, DType.BF16), Compressed(4))
+    c = LayerSpec("c", kv, Compressed(128))
+    assert block_table_compatibility(a, b, 16, 16)
+    assert not block_table_compatibility(a, c, 16, 16)
+    assert "compressed 1/4" in block_table_compatibility(a, c, 16, 16).reason
+
+
+def test_shared_kv_is_one_tensor_replicated_over_ranks():
+    kv = SharedKV(512)
+    assert bytes_per_token(kv) == 512 * 2  # one bf16 tensor read as K and V
+    assert bytes_per_token(kv.with_dtype(DType.FP8)) == 512
+    assert kv.shard(8) == kv  # a single head: every rank keeps it whole
+
+
+def test_indexer_key_in_a_plain_dtype_or_deepseek_packed_fp8():
+    assert bytes_per_token(IndexerKV(128, DType.BF16)) == 128 * 2
+    assert bytes_per_token(IndexerKV(128)) == 128 + 4  # fp8 values + one fp32 scale
+    assert bytes_per_token(IndexerKV(64, "bfloat16")) == 64 * 2
+    assert IndexerKV(128, DType.BF16).with_dtype(DType.FP8) == IndexerKV(128, DType.BF16)

@@ -72,6 +72,29 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     ],
     # glm_moe_dsa: 78 MLA layers (512 + 64) + 78 indexer keys (index_head_dim 128)
     "zai-org--GLM-5.json": [("full", None, 156, 78 * MLA + 78 * INDEXER)],
+    # DeepSeek-V4-Flash: num_hidden_layers 43; compress_ratios (44 entries, the last for the MTP
+    # layer) cut to 43 as DeepseekV4Config does: [0, 0] then 4, 128 alternating -> 2 sliding-only
+    # layers, 21 CSA (ratio 4: layers 2, 4, ..., 42), 20 HCA (ratio 128: layers 3, 5, ..., 41).
+    # Every layer keeps a sliding_window 128 K=V window: num_key_value_heads 1 x head_dim 512,
+    # one tensor read as K and V, bf16: 512 x 2 B = 1024 B/token/layer.
+    # Compressed entries (one per ratio tokens, bf16 as transformers keeps them): CSA a K=V
+    # entry of 512 + an indexer key of index_head_dim 128 = (512 + 128) x 2 B = 1280 per layer,
+    # over 21 + 21 cache layers; HCA a K=V entry of 512 x 2 B = 1024.
+    # Per-request compressor state (DeepseekV4HCACache / CSACache): HCA buffers up to 127
+    # pending tokens of kv + gate (head_dim 512 each, bf16): 127 x 2 x 512 x 2 B = 260096.
+    # CSA (ratio 4): compressor buffer 3 tokens x (kv + gate of 2 x 512) x 2 B = 12288, overlap
+    # kv 4 x 512 x 2 B = 4096 and overlap gate (plus the fp32 position_bias, so fp32)
+    # 4 x 512 x 4 B = 8192; its indexer the same at 128: 3 x 2 x 256 x 2 = 3072,
+    # 4 x 128 x 2 = 1024, 4 x 128 x 4 = 2048 -> 30720 per CSA layer
+    "deepseek-ai--DeepSeek-V4-Flash.json": [
+        ("sliding_window", 128, 43, 43 * 512 * BF16),
+        ("compressed", 4, 42, 21 * 512 * BF16 + 21 * 128 * BF16),
+        ("compressed", 128, 20, 20 * 512 * BF16),
+        ("recurrent", None, 41,
+         20 * 127 * 2 * 512 * BF16
+         + 21 * (3 * 2 * 1024 * BF16 + 4 * 512 * BF16 + 4 * 512 * FP32
+                 + 3 * 2 * 256 * BF16 + 4 * 128 * BF16 + 4 * 128 * FP32)),
+    ],
     # --- gpt-oss ------------------------------------------------------------------------------
     # layer_types alternate: 18 sliding (sliding_window 128) + 18 full; 8 KV heads x 64 x 2 x 2 B
     # = 2048 B/token/layer (no dtype field: bf16; mxfp4 covers experts only)
@@ -85,6 +108,9 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
         ("full", None, 12, 12 * gqa(8, 64)),
     ],
     # --- Qwen ----------------------------------------------------------------------------------
+    # qwen2: use_sliding_window false (sliding_window 131072 and max_window_layers 28 unused):
+    # 28 full layers x 4 KV heads x (3584 / 28 = 128) x 2 x 2 B = 2048 B/token/layer
+    "Qwen--Qwen2.5-7B-Instruct.json": [("full", None, 28, 28 * gqa(4, 128))],
     # 36 layers, use_sliding_window false; 8 KV heads x 128 x 2 x 2 B = 4096 B/token/layer
     "Qwen--Qwen3-8B.json": [("full", None, 36, 36 * gqa(8, 128))],
     # 64 layers x 8 KV heads x 128: fp8 block-scaled weights, KV stays bf16
@@ -133,6 +159,23 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
         ("sliding_window", 1024, 50, 50 * gqa(16, 256, itemsize=FP8)),
         ("full", None, 10, 10 * gqa(4, 512, itemsize=FP8)),
     ],
+    # --- Gemma 3 ------------------------------------------------------------------------------
+    # text_config (gemma3_text) as published: neither layer_types nor sliding_window_pattern, so
+    # transformers' Gemma3TextConfig pattern 6 applies: layer i is full when (i + 1) % 6 == 0 ->
+    # layers 5, 11, ..., 59 = 10 full, 62 - 10 = 52 sliding (sliding_window 1024). Both kinds:
+    # 16 KV heads x head_dim 128 x 2 (K, V) x 2 B = 8192 B/token/layer
+    "google--gemma-3-27b-it.json": [
+        ("sliding_window", 1024, 52, 52 * gqa(16, 128)),
+        ("full", None, 10, 10 * gqa(16, 128)),
+    ],
+    # text_config states only hidden_size, intermediate_size, num_hidden_layers 34 and
+    # sliding_window 1024: Gemma3TextConfig fills num_key_value_heads 4, head_dim 256 and the
+    # pattern 6 -> full layers 5, 11, 17, 23, 29 (5), sliding the other 29;
+    # 4 KV heads x 256 x 2 x 2 B = 4096 B/token/layer
+    "google--gemma-3-4b-it.json": [
+        ("sliding_window", 1024, 29, 29 * gqa(4, 256)),
+        ("full", None, 5, 5 * gqa(4, 256)),
+    ],
     # --- Llama ---------------------------------------------------------------------------------
     # no no_rope_layers: transformers' Llama4TextConfig default interval 4 makes layers 3, 7, ...,
     # 47 NoPE (12, global) and the other 36 RoPE layers chunked (attention_chunk_size 8192);
@@ -157,6 +200,29 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     "mistralai--Mixtral-8x7B-v0.1.json": [("full", None, 32, 32 * gqa(8, 128))],
     # 56 layers x 8 KV heads x (6144 / 48 = 128)
     "mistralai--Mixtral-8x22B-v0.1.json": [("full", None, 56, 56 * gqa(8, 128))],
+    # sliding_window null: 32 full layers x 8 KV heads x (4096 / 32 = 128) x 2 x 2 B = 4096
+    "mistralai--Mistral-7B-Instruct-v0.3.json": [("full", None, 32, 32 * gqa(8, 128))],
+    # ministral3, sliding_window null: 88 full layers x 8 KV heads x head_dim 128 x 2 x 2 B
+    # = 4096; quantization_config fp8 is weights only (no kv_cache_scheme), KV stays bf16
+    "mistralai--Devstral-2-123B-Instruct.json": [("full", None, 88, 88 * gqa(8, 128))],
+    # --- Phi -----------------------------------------------------------------------------------
+    # phi3, sliding_window null: 40 layers x 10 KV heads x (5120 / 40 = 128) x 2 x 2 B = 5120
+    "microsoft--phi-4.json": [("full", None, 40, 40 * gqa(10, 128))],
+    # phi: 24 layers x 32 KV heads x (2048 / 32 = 64) x 2 values; torch_dtype float32 runs as
+    # bf16 (as engines do with --dtype auto, docs/models.md): 32 x 64 x 2 x 2 B = 8192
+    "microsoft--phi-1.json": [("full", None, 24, 24 * gqa(32, 64))],
+    # --- sliding 3 : 1 full by layer_types -----------------------------------------------------
+    # layer_types: 3 sliding_attention then 1 full_attention, 16 times -> 48 sliding (4096) +
+    # 16 full; 8 KV heads x head_dim 128 x 2 x 2 B = 4096 B/token/layer
+    "LGAI-EXAONE--EXAONE-4.0-32B.json": [
+        ("sliding_window", 4096, 48, 48 * gqa(8, 128)),
+        ("full", None, 16, 16 * gqa(8, 128)),
+    ],
+    # the same layer_types and window; 8 KV heads x (5120 / 40 = 128)
+    "allenai--Olmo-3.1-32B-Instruct.json": [
+        ("sliding_window", 4096, 48, 48 * gqa(8, 128)),
+        ("full", None, 16, 16 * gqa(8, 128)),
+    ],
     # --- Nemotron-H (Mamba2 hybrids) -----------------------------------------------------------
     # hybrid_override_pattern: 10 '*' attention (8 KV heads x attention_head_dim 128 = 4096 B),
     # 54 'M' Mamba2, 54 '-' MLP. Mamba2: 256 heads x 64, state 256, 8 groups, kernel 4; no
@@ -184,6 +250,11 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     # --- MiniMax / MiMo / Step -----------------------------------------------------------------
     # 62 layers, no attn_type_list (all softmax attention): 8 KV heads x 128
     "MiniMaxAI--MiniMax-M2.5.json": [("full", None, 62, 62 * gqa(8, 128))],
+    # 60 layers, every one keeps all K/V: 4 KV heads x 128 x 2 x 2 B = 2048 B/token/layer.
+    # sparse_attention_config.sparse_attention_freq marks layers 3..59 (57) sparse: each also
+    # caches one indexer key of sparse_index_dim 128 per token (MiniMaxM3 idx_keys, bf16):
+    # 128 x 2 B = 256, in the same block table -> 60 x 2048 + 57 x 256 = 137472 B/token
+    "MiniMaxAI--MiniMax-M3.json": [("full", None, 117, 60 * gqa(4, 128) + 57 * 128 * BF16)],
     # hybrid_layer_pattern: 0 = full (layers 0, 5, 11, ..., 47: 9), 1 = sliding (39).
     # Sliding: swa_num_key_value_heads 8 x (swa_head_dim 192 + swa_v_head_dim 128) x 2 B = 5120;
     # window sliding_window_size 128 + 1 = 129 (MiMoV2FlashConfig: 128 earlier tokens plus the
@@ -201,14 +272,14 @@ EXPECTED: dict[str, list[tuple[str, int | None, int, int]]] = {
     ],
 }
 
-# file -> the field its refusal must name: caches pagedkv does not model.
+# file -> the field its refusal must name: caches pagedkv does not model. (DeepSeek-V4's
+# compress_ratios and MiniMax-M3's sparse_attention_config were refused here until they were
+# modelled; both are in EXPECTED now.)
 REFUSED = {
-    # compress_ratios 4 / 128: CSA/HCA layers cache one compressed entry per 4 or 128 tokens
-    # beside a 128-token K=V window (transformers' DeepseekV4 cache) -- no retention fits
-    "deepseek-ai--DeepSeek-V4-Flash.json": "compress_ratios",
-    # sparse_attention_config (block-sparse attention with its own index keys): no public
-    # modelling code shows what it caches
-    "MiniMaxAI--MiniMax-M3.json": "sparse_attention_config",
+    # text_config.layer_types holds "conv": LFM2's short-convolution layers keep a per-request
+    # conv state that pagedkv has no layer kind for, so the config is refused, not read as
+    # attention
+    "LiquidAI--LFM2.5-VL-1.6B.json": "layer_types",
 }
 
 # (file, drafter) -> groups as (retention kind, position offset, layers, bytes per token or per
@@ -258,7 +329,8 @@ CLI_ARGS = ("--memory", "40GiB", "--max-model-len", "131072")
 
 def _window(group) -> int | None:
     ret = group.retention
-    return getattr(ret, "window", None) or getattr(ret, "chunk", None)
+    return (getattr(ret, "window", None) or getattr(ret, "chunk", None)
+            or getattr(ret, "ratio", None))
 
 
 def _groups(plan) -> list[tuple[str, int | None, int, int]]:

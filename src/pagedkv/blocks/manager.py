@@ -35,7 +35,7 @@ from pagedkv.blocks.recurrent import (
 )
 from pagedkv.blocks.request import INF, PendingHit, RequestState
 from pagedkv.blocks.window import WindowManager
-from pagedkv.errors import DoesNotFitError, InvalidArgumentError
+from pagedkv.errors import DoesNotFitError, InvalidArgumentError, UnsupportedCapabilityError
 from pagedkv.plan.elastic import PHYSICAL_PAGE_BYTES, PoolBounds, plan_bounds, pool_bounds
 from pagedkv.plan.sizing import reserved_blocks
 from pagedkv.plan.types import Group, Plan
@@ -148,6 +148,12 @@ class KVCacheManager:
             args = (GroupIndex(i), g, pool_of[g.id], enable_caching, self.event_log)
             if g.retention.kind == "recurrent":
                 managers.append(RecurrentManager(*args, policy))
+            elif g.retention.kind not in _MANAGERS:
+                raise UnsupportedCapabilityError(
+                    f"group {i} keeps {g.retention.describe()} retention, which the block "
+                    "manager does not manage (pagedkv plan sizes it; simulation and "
+                    "allocation do not)"
+                )
             else:
                 managers.append(_MANAGERS[g.retention.kind](*args))
         self.managers: tuple[GroupManager, ...] = tuple(managers)

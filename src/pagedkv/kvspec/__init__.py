@@ -18,6 +18,7 @@ from pagedkv.kvspec.layout import (
     Layout,
     MLALatent,
     RecurrentState,
+    SharedKV,
     StateTensor,
     TensorSpec,
     bytes_per_request,
@@ -26,6 +27,7 @@ from pagedkv.kvspec.layout import (
 from pagedkv.kvspec.retention import (
     RETENTION_KINDS,
     ChunkedLocal,
+    Compressed,
     Cross,
     Full,
     Recurrent,
@@ -37,9 +39,9 @@ from pagedkv.kvspec.retention import (
 )
 
 __all__ = [
-    "Attention", "AttentionKV", "ChunkedLocal", "Compatibility", "Cross", "DType", "Full",
+    "Attention", "AttentionKV", "ChunkedLocal", "Compatibility", "Compressed", "Cross", "DType", "Full",
     "IndexerKV", "LayerSpec", "Layout", "MLALatent", "RETENTION_KINDS", "Recurrent",
-    "RecurrentState", "Retention", "SlidingWindow", "StateTensor", "TARGET", "TensorSpec",
+    "RecurrentState", "Retention", "SharedKV", "SlidingWindow", "StateTensor", "TARGET", "TensorSpec",
     "block_table_compatibility", "blocks_per_request", "bytes_per_request", "bytes_per_token",
     "cdiv", "parse_dtype", "require_block_table_compatible", "step_blocks",
 ]

@@ -148,16 +148,25 @@ class MLALatent:
 
 @dataclass(frozen=True)
 class IndexerKV:
-    """DeepSeek-V3.2 sparse-attention indexer key: fp8 values plus one fp32 scale per token."""
+    """Sparse-attention indexer key, one head per token (or per compressed entry).
+
+    ``dtype`` None is DeepSeek-V3.2's packed format: fp8 values plus one fp32 scale. A dtype
+    stores plain values (MiniMax-M3 and DeepSeek-V4 keep them in the model dtype).
+    """
 
     head_dim: int = 128
+    dtype: DType | None = None
     kind: Literal["indexer"] = field(default="indexer", init=False)
 
     def __post_init__(self) -> None:
         _positive("IndexerKV", head_dim=self.head_dim)
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", parse_dtype(self.dtype))
 
     def token_tensors(self) -> tuple[TensorSpec, ...]:
-        return (TensorSpec("index_k", (self.head_dim + 4,), DType.UINT8),)
+        if self.dtype is None:
+            return (TensorSpec("index_k", (self.head_dim + 4,), DType.UINT8),)
+        return (TensorSpec("index_k", (self.head_dim,), self.dtype),)
 
     def request_tensors(self) -> tuple[TensorSpec, ...]:
         return ()
@@ -168,6 +177,33 @@ class IndexerKV:
 
     def with_dtype(self, dtype: DType | str) -> IndexerKV:
         return self  # the indexer has its own fixed format
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """One tensor per token read as both K and V (DeepSeek-V4's shared-KV MQA: one head of
+    ``head_dim`` values, replicated on every tensor-parallel rank)."""
+
+    head_dim: int
+    dtype: DType = DType.BF16
+    kind: Literal["shared_kv"] = field(default="shared_kv", init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        _positive("SharedKV", head_dim=self.head_dim)
+
+    def token_tensors(self) -> tuple[TensorSpec, ...]:
+        return (TensorSpec("kv", (self.head_dim,), self.dtype),)
+
+    def request_tensors(self) -> tuple[TensorSpec, ...]:
+        return ()
+
+    def shard(self, tp: int) -> SharedKV:
+        _shard_heads("SharedKV", 1, tp)
+        return self
+
+    def with_dtype(self, dtype: DType) -> SharedKV:
+        return SharedKV(self.head_dim, dtype)
 
 
 @dataclass(frozen=True)
@@ -224,7 +260,7 @@ class RecurrentState:
         return self  # --kv-dtype applies to KV caches; state dtype comes from the config
 
 
-Layout = Union[AttentionKV, MLALatent, IndexerKV, RecurrentState]
+Layout = Union[AttentionKV, MLALatent, IndexerKV, SharedKV, RecurrentState]
 
 
 def bytes_per_token(layout: Layout) -> int:

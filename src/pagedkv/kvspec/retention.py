@@ -162,8 +162,41 @@ class Cross:
         return f"cross {self.max_encoder_len}"
 
 
-Retention = Union[Full, SlidingWindow, ChunkedLocal, Recurrent, Cross]
-RETENTION_KINDS = ("full", "sliding_window", "chunked_local", "recurrent", "cross")
+@dataclass(frozen=True)
+class Compressed:
+    """One entry per ``ratio`` tokens, each kept for the life of the request (DeepSeek-V4's
+    compressed K/V and indexer keys: every complete window of ``ratio`` tokens is pooled into
+    one entry; the tokens of an incomplete window are per-request state, not entries).
+
+    A block of a compressed group holds ``block_size`` entries, i.e. covers
+    ``block_size * ratio`` tokens; the layer's layout describes one entry.
+    """
+
+    ratio: int
+    kind: Literal["compressed"] = field(default="compressed", init=False)
+
+    def __post_init__(self) -> None:
+        _positive("Compressed", "ratio", self.ratio)
+
+    def resident_blocks(self, num_tokens: int, block_size: int) -> int:
+        return cdiv(num_tokens // self.ratio, block_size)  # complete windows only
+
+    def step_blocks(self, max_batched_tokens: int, block_size: int) -> int:
+        return 0  # every entry is already counted as resident
+
+    def first_needed(self, position: int) -> int:
+        return 0
+
+    @property
+    def null_blocks(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return f"compressed 1/{self.ratio}"
+
+
+Retention = Union[Full, SlidingWindow, ChunkedLocal, Recurrent, Cross, Compressed]
+RETENTION_KINDS = ("full", "sliding_window", "chunked_local", "recurrent", "cross", "compressed")
 
 
 def blocks_per_request(retention: Retention, num_tokens: int, block_size: int) -> int:
@@ -182,7 +215,8 @@ def step_blocks(retention: Retention, max_batched_tokens: int, block_size: int) 
     """Blocks the tokens of one step add on top of every request's resident window.
 
     The step's token budget is shared by the whole batch, so this is counted once per
-    step, not once per request. Full and cross layers already count every token.
+    step, not once per request. Full, cross and compressed layers already count every
+    token (entry) they keep.
     """
     return retention.step_blocks(max_batched_tokens, block_size)
 

@@ -5,8 +5,10 @@ Configs are read by their fields (``layer_types``, ``kv_lora_rank``, ``linear_at
 architecture cannot be read raises :class:`~pagedkv.errors.UnsupportedArchitectureError`
 or :class:`~pagedkv.errors.ConfigError` naming what is missing. Family defaults are applied
 as the family's transformers config class applies them (:mod:`~pagedkv.models.pattern`,
-:mod:`~pagedkv.models.overrides`); fields that change the cache in ways pagedkv does not model
-are refused by name (:mod:`~pagedkv.models.geometry`); drafters are checked against their
+:mod:`~pagedkv.models.overrides`); DeepSeek-V4 compressed attention and MiniMax-M3 sparse
+attention are read as their transformers modelling code caches them
+(:mod:`~pagedkv.models.deepseek_v4`, :mod:`~pagedkv.models.minimax_m3`); fields that change the
+cache in ways pagedkv does not model are refused by name (:mod:`~pagedkv.models.geometry`); drafters are checked against their
 target (:mod:`~pagedkv.models.compat`). Standard library only; the optional
 :mod:`~pagedkv.models.via_transformers` imports transformers lazily.
 """

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, UnsupportedArchitectureError
 from pagedkv.kvspec import LayerSpec
 from pagedkv.models.attention import (
     indexer_layout,
@@ -34,7 +34,7 @@ from pagedkv.models.attention import (
     resolve_kv_dtype,
     retention_and_mask,
 )
-from pagedkv.models.fields import need_int, opt_int, text_config
+from pagedkv.models.fields import model_type, need_int, opt_int, text_config
 from pagedkv.models.pattern import FULL
 
 MODEL, EAGLE, DFLASH, DSPARK = "model", "eagle", "dflash", "dspark"
@@ -142,6 +142,13 @@ def mtp_layers(config: Mapping, *, kv_dtype: str = "auto", model: str = DRAFT) -
         raise ConfigError(
             "the target has no MTP layers (num_nextn_predict_layers is 0 or absent); "
             "--draft mtp needs them"
+        )
+    family = model_type(cfg)
+    if family == "deepseek_v4" or family.startswith("minimax_m3"):
+        raise UnsupportedArchitectureError(
+            f"--draft mtp on model_type {family!r}: transformers skips its MTP weights "
+            "(mtp.*) and no public modelling code shows what its MTP layers cache; "
+            "refusing rather than planning them as plain attention"
         )
     fmt = resolve_kv_dtype(cfg, kv_dtype)
     if fmt == "fp8_ds_mla" and not is_mla(cfg):

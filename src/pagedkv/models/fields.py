@@ -21,6 +21,9 @@ NESTED_KEYS = ("text_config", "transformer_layer_config")
 # where the field changes the cache (reviewed against transformers 5.24).
 FAMILY_DEFAULTS = {
     "nemotron_h": {"mamba_ssm_cache_dtype": "float32"},  # NemotronHConfig
+    # Gemma3TextConfig: google/gemma-3-4b-it's text_config states no head counts
+    "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "sliding_window": 4096},
 }
 
 

@@ -3,7 +3,8 @@ unknown keys that look like geometry so a user can see what was not read.
 
 A wrong plan with exit status 0 is the worst answer this tool can give, so a field known
 to change what a layer caches is never silently skipped: either a reader models it, or
-:func:`refuse_unmodelled` raises naming it. Keys nobody reviewed that *look* like
+:func:`refuse_unmodelled` raises naming it. DeepSeek-V4 compression (models/deepseek_v4) and
+MiniMax-M3 sparse attention (models/minimax_m3) are modelled for their own families only. Keys nobody reviewed that *look* like
 geometry (``attention``, ``kv``, ``head``, ``window``, ``layer``, ``sparse``,
 ``compress``...) are returned by :func:`unread_geometry_keys` for a warning.
 """
@@ -18,8 +19,6 @@ from pagedkv.models.fields import model_type
 
 # field -> what it is; a config with a non-empty value is refused
 _UNMODELLED = {
-    "compress_ratios": "DeepSeek-V4 compressed attention",
-    "compress_rates": "DeepSeek-V4 compressed attention",
     "cross_attention_layers": "cross-attention layers (encoder K/V per request)",
     "kv_shared_layer_index": "layers reading another layer's K/V",
     "add_cross_attention": "cross-attention to an encoder",
@@ -50,7 +49,7 @@ mamba_d_conv mamba_expand mamba_dt_rank time_step_rank mamba_ssm_cache_dtype mam
 state_size expand num_heads linear_attn_alpha_factor layernorm_linear_attention_alpha
 num_nextn_predict_layers mtp_num_hidden_layers mla_use_nope mla_use_output_gate
 use_bidirectional_attention sparse_attention_config add_cross_attention pruned_heads
-cross_attention_layers compress_ratios compress_rates
+cross_attention_layers compress_ratios compress_rates compress_rate_csa compress_rate_hca
 first_k_dense_replace moe_layer_freq moe_layers mlp_layer_types mlp_only_layers
 decoder_sparse_step interleave_moe_layer_step expert_layer_period expert_layer_offset
 n_shared_experts num_shared_experts shared_expert_intermediate_size
@@ -83,7 +82,8 @@ _REVIEWED_BY_FAMILY = {
     "kimi": "attn_res_block_size activation_situ_linear_beta latent_moe_use_norm "
             "use_unified_vision_chunk",
     "minimax": "num_mtp_modules mtp_transformer_layers layernorm_full_attention_alpha "
-               "use_gemma_norm qk_norm_type attention_output_gate shared_intermediate_size",
+               "use_gemma_norm qk_norm_type attention_output_gate shared_intermediate_size "
+               "index_block_size index_topk_blocks index_local_blocks",
     "step": "num_sliding_attention_heads share_expert_dim",
     "glm": "indexer_rope_interleave",
     "qwen3": "attn_output_gate",
@@ -129,21 +129,23 @@ def refuse_unmodelled(cfg: Mapping) -> None:
                 "not model it; refusing rather than planning it as plain attention"
             )
     sparse = cfg.get("sparse_attention_config")
-    if isinstance(sparse, Mapping) and sparse.get("use_sparse_attention", True):
+    switched_on = isinstance(sparse, Mapping) and sparse.get("use_sparse_attention", True)
+    if switched_on and not model_type(cfg).startswith("minimax_m3"):
         raise UnsupportedArchitectureError(
-            "config field 'sparse_attention_config' (MiniMax-M3 sparse attention: an "
-            "index-key cache beside K/V) is not modelled by pagedkv; refusing rather than "
-            "planning it as plain attention"
+            f"config field 'sparse_attention_config' on model_type {model_type(cfg)!r}: "
+            "pagedkv models it for MiniMax-M3 only; refusing rather than planning it as "
+            "plain attention"
         )
+    for field in ("compress_ratios", "compress_rates"):
+        if _enabled(cfg.get(field)) and model_type(cfg) != "deepseek_v4":
+            raise UnsupportedArchitectureError(
+                f"config field {field!r} (compressed attention) on model_type "
+                f"{model_type(cfg)!r}: pagedkv models it for DeepSeek-V4 only"
+            )
     if cfg.get("use_bidirectional_attention") == "all":
         raise UnsupportedArchitectureError(
             "config field 'use_bidirectional_attention' is 'all' (an encoder: no causal KV "
             "cache, and transformers halves the window); pagedkv plans decoder caches only"
-        )
-    if model_type(cfg) == "deepseek_v4":
-        raise UnsupportedArchitectureError(
-            "model_type 'deepseek_v4' (compressed attention: a sliding window plus compressed "
-            "K/V streams per layer) is not modelled by pagedkv"
         )
 
 

@@ -13,9 +13,11 @@ from pagedkv.models.attention import (
     resolve_kv_dtype,
     retention_and_mask,
 )
+from pagedkv.models.deepseek_v4 import deepseek_v4_layers, is_deepseek_v4
 from pagedkv.models.drafters import as_drafter, drafter_role
 from pagedkv.models.fields import opt_int, text_config
 from pagedkv.models.geometry import refuse_unmodelled
+from pagedkv.models.minimax_m3 import index_key_layout, is_minimax_m3, sparse_layers
 from pagedkv.models.overrides import layer_fields
 from pagedkv.models.pattern import ATTENTION_KINDS, RECURRENT, layer_pattern
 from pagedkv.models.recurrent import MAMBA1, MAMBA2, recurrent_state
@@ -71,12 +73,18 @@ def layers_from_config(
     cfg = text_config(config)
     refuse_unmodelled(cfg)
     fmt = resolve_kv_dtype(cfg, kv_dtype)
+    role = drafter_role(cfg)
+    if is_deepseek_v4(cfg):
+        layers = deepseek_v4_layers(cfg, fmt, model)
+        if role.kind != "model":
+            layers = [as_drafter(layer, role) for layer in layers]
+        return tuple(layers)
     pattern = layer_pattern(cfg)
     cached = kv_shared_from(cfg, len(pattern))
     if fmt == "fp8_ds_mla":
         _refuse_ds_mla_on_gqa(cfg, pattern, model)
-    role = drafter_role(cfg)
     prefix = _prefix(model)
+    sparse = sparse_layers(cfg) if is_minimax_m3(cfg) else frozenset()
     layers: list[LayerSpec] = []
     state = None
     for i, kind in enumerate(pattern):
@@ -87,7 +95,12 @@ def layers_from_config(
             layers.append(
                 LayerSpec(base, kv_layout(fields, fmt), retention, attention, model, 0, i)
             )
-            indexer = indexer_layout(cfg)
+            if i in sparse:  # MiniMax-M3: an indexer key per token beside K/V
+                layers.append(LayerSpec(
+                    f"{base}.indexer", index_key_layout(cfg), retention, attention, model, 0, i
+                ))
+                continue
+            indexer = None if is_minimax_m3(cfg) else indexer_layout(cfg)
             if indexer is not None:
                 if not is_mla(cfg):
                     raise ConfigError(

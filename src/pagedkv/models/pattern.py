@@ -43,6 +43,7 @@ _LAYER_TYPES = {
     "attention": FULL,  # Jamba / Nemotron-H layers_block_type
     "global_attention": FULL,
     "indexed_attention": FULL,  # DeepSeek-V3.2 (sparse attention with an indexer)
+    "minimax_m3_sparse": FULL,  # MiniMax-M3: all K/V kept, plus an indexer key
     "sliding_attention": SLIDING,
     "chunked_attention": CHUNKED,
     "linear_attention": RECURRENT,

@@ -250,6 +250,12 @@ def parameter_counts(config: Mapping) -> Counter:
     """Parameters by part (embedding / mixer / dense / experts / other) that the model a
     config describes owns; drafters count only what they do not share with the target."""
     cfg = text_config(config)
+    if cfg.get("model_type") == "deepseek_v4":
+        raise ConfigError(
+            "DeepSeek-V4's weights are not estimated (hyper-connections, grouped output "
+            "projection, compressors and indexers, expert_dtype "
+            f"{cfg.get('expert_dtype')!r} experts are not counted)"
+        )
     out = _decoder_params(cfg)
     role = drafter_role(cfg)
     h = _hidden(cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 
-from pagedkv.kvspec import AttentionKV, IndexerKV, Layout, MLALatent, RecurrentState
+from pagedkv.kvspec import AttentionKV, IndexerKV, Layout, MLALatent, RecurrentState, SharedKV
 from pagedkv.plan.sizes import format_bytes
 from pagedkv.plan.types import Group, TypicalCapacity
 
@@ -17,6 +17,8 @@ def layout_label(layout: Layout) -> str:
         return "attention"
     if isinstance(layout, IndexerKV):
         return "indexer"
+    if isinstance(layout, SharedKV):
+        return "K=V"
     if isinstance(layout, RecurrentState):
         return layout.family
     return getattr(layout, "kind", "cache")  # pragma: no cover
@@ -37,6 +39,8 @@ def retention_label(group: Group) -> str:
         return f"sliding-window ({ret.window})"  # type: ignore[union-attr]
     if ret.kind == "chunked_local":
         return f"chunked-local ({ret.chunk})"  # type: ignore[union-attr]
+    if ret.kind == "compressed":
+        return f"compressed (1 per {ret.ratio})"  # type: ignore[union-attr]
     if ret.kind == "cross":
         return f"cross-attention ({ret.max_encoder_len})"  # type: ignore[union-attr]
     return {"full": "full-attention", "recurrent": "recurrent"}.get(ret.kind, ret.kind)
@@ -44,7 +48,12 @@ def retention_label(group: Group) -> str:
 
 def describe_group(group: Group, layouts: Sequence[Layout], unit: int) -> str:
     """``full-attention group (29 MLA layers, 33408 B/token)``; bytes for one rank."""
-    cost = f"{format_bytes(unit)} per request" if group.is_recurrent else f"{unit} B/token"
+    if group.is_recurrent:
+        cost = f"{format_bytes(unit)} per request"
+    elif group.retention.kind == "compressed":
+        cost = f"{unit} B per entry of {group.retention.ratio} tokens"  # type: ignore[union-attr]
+    else:
+        cost = f"{unit} B/token"
     return f"{retention_label(group)} group ({layer_mix(layouts)} layers, {cost})"
 
 

@@ -141,6 +141,8 @@ def _demand(
     if group.retention.kind == "recurrent":
         return GroupDemand(True, 1, 0)
     held = blocks_per_request(group.retention, length, block_size)
+    if group.retention.kind == "compressed" and held == 0:
+        held = 1  # shorter than one window: no entry yet, but the sizing divides by b_g
     step = step_blocks(group.retention, options.max_batched_tokens, block_size)
     if held >= cdiv(length, block_size):
         step = 0

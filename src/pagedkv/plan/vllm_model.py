@@ -96,6 +96,11 @@ def _stage_plan(
 ) -> _StagePlan | str:
     types: dict[tuple[Retention, int], _Type] = {}
     for member in stage.layers:
+        if member.layer.retention.kind == "compressed":
+            return (
+                "not modelled: compressed layers (DeepSeek-V4) are outside this model of "
+                "vLLM's planner"
+            )
         recurrent = isinstance(member.layer.retention, Recurrent)
         nbytes = bytes_per_request(member.layout) if recurrent else bytes_per_token(member.layout)
         key = (member.layer.retention, nbytes)
