@@ -264,3 +264,32 @@ def greedy_generation(hf, model, config, seed=0, new=8):
                               do_sample=False, pad_token_id=0)[0].tolist()
         assert h.seqs[rid] == ref, (rid, h.seqs[rid], ref)
     return h.check(hf)
+
+
+def checkpoint_round_trip(hf, model_class, tmp_path):
+    """save_pretrained's tensors (per-expert, renamed as on the Hub) load into the native
+    model exactly; a missing or misshapen tensor is refused by name."""
+    from safetensors.torch import load_file
+
+    from pagedkv.errors import PagedKVError
+
+    hf.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    ours = model_class(hf.config)
+    ours.load_weights(saved.items())
+    mine = ours.state_dict()
+    for name, value in hf.state_dict().items():
+        assert torch.equal(mine[name], value), name
+    drop = sorted(saved)[3]
+    try:
+        ours.load_weights((k, v) for k, v in saved.items() if k != drop)
+    except PagedKVError as exc:
+        assert "lacks 1 tensors" in str(exc)
+    else:
+        raise AssertionError(f"loading without {drop} was accepted")
+    try:
+        ours.load_weights((k, v[:1] if k == drop else v) for k, v in saved.items())
+    except PagedKVError as exc:
+        assert drop in str(exc) and "shape" in str(exc)
+    else:
+        raise AssertionError(f"a misshapen {drop} was accepted")

@@ -66,3 +66,7 @@ def test_preempted_then_recomputed(models, every):
 
 def test_greedy_generation_equals_transformers_generate(models):
     assert hh.greedy_generation(*models) <= hh.TOL
+
+
+def test_checkpoint_round_trip(models, tmp_path):
+    hh.checkpoint_round_trip(models[0], NemotronHForCausalLM, tmp_path)  # asserts inside

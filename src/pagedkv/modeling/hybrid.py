@@ -66,3 +66,43 @@ def rope(
         return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
     return apply(q), apply(k)
+
+
+Piece = tuple[str, tuple]  # (parameter or buffer name, index into it; () for all of it)
+
+
+def load_pieces(module: torch.nn.Module, weights, pieces_of) -> None:  # noqa: ANN001
+    """Copy checkpoint tensors into ``module``: ``pieces_of(name)`` says where each
+    checkpoint tensor goes (a list of pieces, empty to skip it). Every parameter and
+    persistent buffer must be covered exactly once; shapes must match."""
+    targets = dict(module.named_parameters())
+    targets.update({n: b for n, b in module.named_buffers()
+                    if n.rsplit(".", 1)[-1] not in _non_persistent(module, n)})
+    covered: dict[str, int] = {}
+    seen: set[tuple[str, str]] = set()
+    for name, tensor in weights:
+        for target, index in pieces_of(name):
+            param = targets.get(target)
+            if param is None:
+                raise MetadataError(f"checkpoint tensor {name!r} maps to {target!r}, which the "
+                                    "model does not have")
+            dst = param.data[index] if index else param.data
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise MetadataError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                    f"the model's {target!r}{list(index) if index else ''} is "
+                                    f"{tuple(dst.shape)}")
+            key = (target, repr(index))
+            if key in seen:
+                raise MetadataError(f"checkpoint tensor {name!r}: {target!r} given twice")
+            seen.add(key)
+            with torch.no_grad():
+                dst.copy_(tensor)
+            covered[target] = covered.get(target, 0) + dst.numel()
+    missing = sorted(n for n, p in targets.items() if covered.get(n, 0) != p.numel())
+    if missing:
+        raise MetadataError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def _non_persistent(module: torch.nn.Module, name: str) -> set[str]:
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    return owner._non_persistent_buffers_set

@@ -9,12 +9,15 @@ experts plus a shared expert. Parameter names follow the Hugging Face checkpoint
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import UnsupportedArchitectureError
-from pagedkv.modeling.hybrid import HybridContext
+from pagedkv.modeling.hybrid import HybridContext, Piece, load_pieces
 from pagedkv.modeling.mamba2 import Mamba2Mixer
 from pagedkv.ops import paged_attention, write_kv
 
@@ -208,3 +211,21 @@ class NemotronHForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors (``backbone.*``, per-expert, as saved; or ``model.*`` stacked,
+        as in memory) -> parameters."""
+        load_pieces(self, weights, self._pieces)
+
+    def _pieces(self, name: str) -> list[Piece]:
+        if name.startswith("mtp.") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return []  # the multi-token-prediction layers are not run; a tied head is the embedding
+        if name.startswith("backbone."):
+            name = "model." + name[len("backbone."):]
+        m = _PER_EXPERT.fullmatch(name)
+        if m is None:
+            return [(name, ())]
+        return [(f"{m.group(1)}.{m.group(3)}", (int(m.group(2)),))]
+
+
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")

@@ -8,12 +8,15 @@ state slots. Parameter names follow the Hugging Face checkpoint.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.modeling.gated_delta_net import GatedDeltaNet
-from pagedkv.modeling.hybrid import HybridContext, rope
+from pagedkv.modeling.hybrid import HybridContext, Piece, load_pieces, rope
 from pagedkv.ops import paged_attention, write_kv
 
 
@@ -176,3 +179,23 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors (per-expert as saved, or stacked as in memory) -> parameters."""
+        load_pieces(self, weights, self._pieces)
+
+    def _pieces(self, name: str) -> list[Piece]:
+        if name.startswith("mtp.") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return []  # the multi-token-prediction head is not run; a tied head is the embedding
+        m = _PER_EXPERT.fullmatch(name)
+        if m is None:
+            return [(name, ())]
+        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        size = self.config.moe_intermediate_size
+        if proj == "down_proj":
+            return [(f"{prefix}.down_proj", (e,))]
+        part = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
+        return [(f"{prefix}.gate_up_proj", (e, part))]
+
+
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
