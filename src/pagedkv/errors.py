@@ -57,3 +57,15 @@ class UnsupportedCapabilityError(PagedKVError):
 
 class MetadataError(PagedKVError):
     """Per-step attention metadata is inconsistent (checked mode)."""
+
+
+class CheckpointError(PagedKVError):
+    """A checkpoint folder cannot be read (no config.json, no weights, bad index file)."""
+
+
+class WeightError(CheckpointError):
+    """Checkpoint tensors do not match the model: missing, misshapen or unknown names."""
+
+
+class RequestError(PagedKVError, ValueError):
+    """One request is malformed (empty or out-of-vocabulary prompt, prompt too long)."""
