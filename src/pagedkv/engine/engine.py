@@ -1,0 +1,227 @@
+"""The engine: model + plan + block manager + scheduler + runner + sampler.
+
+``Engine(source, options).generate(prompts, sampling)`` runs prompts (token ids, or text
+when a tokenizer is known) to completion with continuous batching. A request that cannot
+run (prompt too long, can never fit, out-of-vocabulary ids) gets its own error in its
+output; the other requests finish. :meth:`Engine.add_request` raises those errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.blocks import KVCacheManager
+from pagedkv.engine.loader import from_transformers, load_folder
+from pagedkv.engine.request import Request, SamplingParams
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.sampler import sample
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestError
+from pagedkv.plan import PlanOptions, make_plan
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """``kv_cache_bytes``: cache budget (planned at the KV dtype); ``max_model_len`` None:
+    the config's ``max_position_embeddings``. Test aids: ``debug_nan`` NaN-fills the cache
+    and every free page before each step, ``shuffle_seed`` shuffles the free lists,
+    ``record_logits`` keeps every computed row's logits (:attr:`Engine.logits`)."""
+
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_batched_tokens: int = 256
+    max_running: int = 64
+    kv_cache_bytes: int = 64 << 20
+    enable_prefix_caching: bool = True
+    recurrent_checkpoint_every: int | None = None
+    seed: int = 0
+    debug_nan: bool = False
+    shuffle_seed: int | None = None
+    record_logits: bool = False
+    checked: bool | None = None
+
+
+@dataclass
+class RequestOutput:
+    rid: object
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    error: PagedKVError | None = None
+
+
+class Engine:
+    def __init__(self, source: str | Path | Any, options: EngineOptions = EngineOptions(), *,
+                 tokenizer: Any = None) -> None:
+        self.options = options
+        self.device = torch.device(options.device)
+        if isinstance(source, (str, Path)):
+            self.config, self.model = load_folder(source, device=self.device, dtype=options.dtype)
+            if tokenizer is None:
+                tokenizer = _folder_tokenizer(Path(source))
+        else:
+            self.config, self.model = from_transformers(source, device=self.device,
+                                                        dtype=options.dtype)
+        self.tokenizer = tokenizer
+        self.dtype = next(self.model.parameters()).dtype
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.vocab_size = int(text.vocab_size)
+        limit = int(getattr(text, "max_position_embeddings", 0) or 0) or None
+        self.max_model_len = options.max_model_len or limit
+        if self.max_model_len is None:
+            raise InvalidArgumentError("max_model_len is unknown: the config has no "
+                                       "max_position_embeddings; pass EngineOptions.max_model_len")
+        self.specs = type(self.model).layer_specs(self.config)
+        plan_bytes = options.kv_cache_bytes
+        if self.dtype == torch.float32:  # the planner sizes 16-bit KV; fp32 takes twice that
+            plan_bytes //= 2
+        self.plan = make_plan(self.specs, PlanOptions(
+            budget_bytes=plan_bytes, max_model_len=self.max_model_len,
+            block_size=options.block_size, max_batched_tokens=options.max_batched_tokens))
+        self.manager = KVCacheManager.from_plan(
+            self.plan, enable_caching=options.enable_prefix_caching, checked=options.checked,
+            recurrent_checkpoint_every=options.recurrent_checkpoint_every)
+        self.runner = ModelRunner(self.model, self.plan, self.specs, self.manager,
+                                  device=self.device, kv_dtype=self.dtype,
+                                  debug_nan=options.debug_nan, shuffle_seed=options.shuffle_seed)
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        eos = eos if eos is not None else getattr(text, "eos_token_id", None)
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.scheduler = Scheduler(self.manager, max_running=options.max_running,
+                                   eos_token_ids=eos_ids, max_model_len=self.max_model_len)
+        self._ids = itertools.count()
+        self._generators: dict[object, torch.Generator] = {}
+        self._default_gen = torch.Generator(device=self.device).manual_seed(options.seed)
+        self.requests: dict[object, Request] = {}
+        self.logits: dict[object, list[tuple[int, torch.Tensor]]] = {}
+        self.steps = 0
+        self.tokens_generated = 0
+
+    # --- requests --------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer; this model has none "
+                                   "(pass token ids)")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+                    rid: object = None) -> object:
+        """Queue one request; raises RequestError / RequestTooLargeError for one that can
+        never run."""
+        rid = next(self._ids) if rid is None else rid
+        ids = self.encode(prompt)
+        if not ids:
+            raise RequestError(f"request {rid!r}: empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"request {rid!r}: token ids {bad[:4]} outside the "
+                               f"vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"request {rid!r}: prompt of {len(ids)} tokens leaves no room "
+                               f"to generate within max_model_len {self.max_model_len}")
+        room = self.max_model_len - len(ids)
+        if sampling.max_new_tokens > room:
+            sampling = SamplingParams(**{**sampling.__dict__, "max_new_tokens": room})
+        req = Request(rid, tuple(ids), sampling)
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        if sampling.seed is not None:
+            self._generators[rid] = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        return rid
+
+    def abort(self, rid: object) -> bool:
+        return self.scheduler.abort(rid) is not None
+
+    # --- stepping ----------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Schedule, run and commit one step; returns the requests that finished."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        ops = self.manager.drain_copy_ops()
+        out = self.runner.execute(plan.chunks, ops, all_rows=self.options.record_logits)
+        sampled: dict[object, list[int]] = {}
+        for chunk, rows in zip(plan.chunks, out.rows):
+            rid = chunk.request.rid
+            if self.options.record_logits:
+                kept = self.logits.setdefault(rid, [])
+                kept += [(chunk.num_computed + j, out.logits[r]) for j, r in enumerate(rows)]
+            if chunk.samples and chunk.request.remaining > 0:
+                gen = self._generators.get(rid, self._default_gen)
+                sampled[rid] = [sample(out.logits[rows[-1]], chunk.request.sampling, gen)]
+        before = {c.request.rid: c.request.num_generated for c in plan.chunks}
+        done = self.scheduler.update(plan, sampled)
+        self.tokens_generated += sum(c.request.num_generated - before[c.request.rid]
+                                     for c in plan.chunks)
+        self.steps += 1
+        for req in done:
+            self._generators.pop(req.rid, None)
+        return done
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                 progress: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. A request that cannot
+        run carries its error (``finish_reason == "error"``); the others finish.
+        ``progress(n)`` is called with the tokens generated by each step."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != len(prompts):
+            raise InvalidArgumentError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        outputs: list[RequestOutput] = []
+        rids: list[object] = []
+        for prompt, p in zip(prompts, params):
+            try:
+                rid = self.add_request(prompt, p)
+            except PagedKVError as exc:
+                ids = [] if isinstance(prompt, str) else list(prompt)
+                outputs.append(RequestOutput(None, ids, finish_reason="error", error=exc))
+                rids.append(None)
+                continue
+            outputs.append(RequestOutput(rid, list(self.requests[rid].prompt)))
+            rids.append(rid)
+        while self.scheduler.has_work():
+            before = self.tokens_generated
+            self.step()
+            if progress is not None:
+                progress(self.tokens_generated - before)
+        for out, rid in zip(outputs, rids):
+            if rid is None:
+                continue
+            req = self.requests[rid]
+            out.token_ids = list(req.output)
+            out.finish_reason = req.finish_reason
+            if self.tokenizer is not None:
+                out.text = self.tokenizer.decode(req.output)
+        return outputs
+
+    # --- statistics ----------------------------------------------------------------------
+    @property
+    def preemptions(self) -> int:
+        return self.manager.preemptions
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.scheduler.prefix_hit_rate
+
+
+def _folder_tokenizer(folder: Path) -> Any:
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if not any((folder / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise RequestError(f"{folder} has tokenizer files that cannot be read: {exc}") from None
