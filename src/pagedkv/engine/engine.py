@@ -25,6 +25,8 @@ from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestError
 from pagedkv.plan import PlanOptions, make_plan
 
+GREEDY = SamplingParams()
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -115,7 +117,7 @@ class Engine:
             return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
-    def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+    def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams = GREEDY,
                     rid: object = None) -> object:
         """Queue one request; raises RequestError / RequestTooLargeError for one that can
         never run."""
@@ -170,7 +172,7 @@ class Engine:
         return done
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                 sampling: SamplingParams | Sequence[SamplingParams] = GREEDY, *,
                  progress: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. A request that cannot
         run carries its error (``finish_reason == "error"``); the others finish.
