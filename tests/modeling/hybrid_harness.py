@@ -1,26 +1,20 @@
-"""A minimal step driver for hybrid models over pagedkv (plan -> block manager -> metadata ->
-model) and the scenarios the hybrid modeling tests run through it.
-
-Every cache tensor starts NaN-filled and every plainly free page or state slot is NaN-filled
-again before each step (so reading anything that is not the request's own shows up as
-NaN), free lists are shuffled, the manager runs checked. Scheduling is the test's: each step
-says which request runs how many tokens, so prefix hits, chunk boundaries, checkpoints and
-preemption land exactly where a scenario wants them. Every logit row is kept and compared
-with transformers' dense forward of the request's whole sequence.
+"""Scenario-level checks of the hybrid models over pagedkv: the engine's own runner
+(:class:`pagedkv.engine.runner.ModelRunner`: copy ops, restores, metadata, segments, NaN in
+every plainly free page and state slot before each step, shuffled free lists) driven by a
+schedule the test writes, so that prefix hits, chunk boundaries, mid-chunk checkpoint saves
+and preemption land exactly where a scenario wants them. The engine's scheduler runs the
+same models in the engine-level tests. Every logit row is kept and compared with
+transformers' dense forward of the request's whole sequence.
 """
 
 from __future__ import annotations
 
-import random
-
 import torch
 
-from pagedkv.batch import ScheduledRequest, build_metadata
 from pagedkv.blocks import KVCacheManager
-from pagedkv.modeling.hybrid import HybridContext
-from pagedkv.modeling.recurrent_state import RecurrentBatch, apply_restores
-from pagedkv.models.layers import layers_from_config
-from pagedkv.ops import fill_nan_
+from pagedkv.engine.request import Request
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.scheduler import Chunk
 from pagedkv.plan import PlanOptions, make_plan
 
 TOL = 1e-4
@@ -36,27 +30,13 @@ def expect(condition: bool, message: str) -> None:
 class Harness:
     def __init__(self, model, config, *, block_size=4, budget=1 << 20, max_model_len=64,
                  seed=0, caching=True, **manager_kwargs):
-        self.model = model
-        layers = layers_from_config(config.to_dict())
-        self.plan = make_plan(layers, PlanOptions(budget_bytes=budget, max_model_len=max_model_len,
-                                                  block_size=block_size, max_batched_tokens=64))
+        specs = type(model).layer_specs(config)
+        self.plan = make_plan(specs, PlanOptions(budget_bytes=budget, max_model_len=max_model_len,
+                                                 block_size=block_size, max_batched_tokens=64))
         self.mgr = KVCacheManager.from_plan(self.plan, enable_caching=caching, checked=True,
                                             **manager_kwargs)
-        rng = random.Random(seed)
-        for pool in self.mgr.pools:
-            rng.shuffle(pool.free)
-        self.groups = {g.id: g for g in self.plan.groups}
-        self.layer_group = {name: g.id for g in self.plan.groups for name in g.layer_names}
-        tensors: dict[str, dict[str, torch.Tensor]] = {}
-        for view in self.plan.ranks[0].views:
-            t = fill_nan_(torch.empty(view.shape, dtype=torch.float32))
-            tensors.setdefault(view.layer, {})[view.tensor] = t
-        self.kv = {n: (t["k"], t["v"]) for n, t in tensors.items() if "k" in t}
-        self.states = {n: t for n, t in tensors.items() if "k" not in t}
-        self.by_group = {gid: [t for n in g.layer_names
-                               for t in (self.kv[n] if n in self.kv else self.states[n].values())]
-                         for gid, g in self.groups.items()}
-        self.gid_of_index = [m.gid for m in self.mgr.managers]
+        self.runner = ModelRunner(model, self.plan, specs, self.mgr, device=torch.device("cpu"),
+                                  kv_dtype=torch.float32, debug_nan=True, shuffle_seed=seed)
         self.rows: dict[object, list[tuple[int, torch.Tensor]]] = {}  # rid -> (position, logits)
         self.seqs: dict[object, list[int]] = {}
         self.ops_seen: list = []
@@ -82,16 +62,6 @@ class Harness:
         start = req.pending[0] if req.pending is not None else req.num_computed
         return len(req.tokens) - start
 
-    def _nan_free_pages(self) -> None:
-        for pool in self.mgr.pools:
-            pages = list(pool.free)  # plain free: no request, no cached content
-            if not pages:
-                continue
-            for gid in self.groups:
-                if self.mgr.managers[self.gid_of_index.index(gid)].pool is pool:
-                    for t in self.by_group[gid]:
-                        fill_nan_(t, pages)
-
     def step(self, schedule):
         """Run ``[(rid, n), ...]``; a request whose step reaches the end of its known
         tokens gets its greedy token appended. Returns {rid: logits [n, vocab]}."""
@@ -100,39 +70,22 @@ class Harness:
                 raise RuntimeError(f"no room for {rid}")
         ops = self.mgr.drain_copy_ops()
         self.ops_seen += ops
-        self._nan_free_pages()
-        for op in ops:
-            if op.kind == "copy":
-                keep = op.position % self.groups[op.group_id].block_size
-                for t in self.by_group[op.group_id]:
-                    t[op.dst, :keep] = t[op.src, :keep]
-        apply_restores(ops, {gid: [self.states[n] for n in g.layer_names]
-                             for gid, g in self.groups.items() if g.is_recurrent})
-        reqs, ids, pos = [], [], []
+        chunks = []
         for rid, n in schedule:
             c = self.mgr.num_computed(rid)
-            tables = self.mgr.block_tables(rid)
-            blocks = {self.gid_of_index[i]: list(t) for i, t in enumerate(tables)}
-            reqs.append(ScheduledRequest(rid, c, n, blocks))
-            ids += self.mgr.requests[rid].tokens[c : c + n]
-            pos += range(c, c + n)
-        attn = [g for g in self.plan.groups if not g.is_recurrent]
-        meta = build_metadata(reqs, attn, checked=True)
-        batches = {g.id: RecurrentBatch.build(reqs, g.id, ops)
-                   for g in self.plan.groups if g.is_recurrent}
-        ctx = HybridContext(self.layer_group, meta, batches, self.kv, self.states)
-        with torch.no_grad():
-            logits = self.model.compute_logits(self.model(torch.tensor(ids), torch.tensor(pos), ctx))
-        out, row = {}, 0
-        for rid, n in schedule:
-            out[rid] = logits[row : row + n]
-            c = self.mgr.num_computed(rid)
-            self.rows[rid] += [(c + j, out[rid][j]) for j in range(n)]
-            row += n
-            new = [int(out[rid][-1].argmax())] if c + n == len(self.mgr.requests[rid].tokens) else []
+            known = len(self.mgr.requests[rid].tokens)
+            chunks.append(Chunk(Request(rid, tuple(self.seqs[rid])), c, n, c + n == known))
+        out = self.runner.execute(chunks, ops, all_rows=True)
+        result = {}
+        for chunk, rows in zip(chunks, out.rows):
+            rid, c = chunk.request.rid, chunk.num_computed
+            logits = out.logits[rows.start : rows.stop]
+            result[rid] = logits
+            self.rows[rid] += [(c + j, logits[j]) for j in range(chunk.num_new_tokens)]
+            new = [int(logits[-1].argmax())] if chunk.samples else []
             self.seqs[rid] += new
-            self.mgr.commit(rid, n, new)
-        return out
+            self.mgr.commit(rid, chunk.num_new_tokens, new)
+        return result
 
     def finish(self, rid, max_new_tokens):
         """Decode ``rid`` alone until it has ``max_new_tokens`` tokens past ``prompt_len``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Token mixer of a Qwen3-Next ``linear_attention`` layer: packed rows [T, hidden]."""
 
-    def __init__(self, config) -> None:  # noqa: ANN001 - a transformers config object
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.hidden_size = config.hidden_size
         self.num_v_heads = config.linear_num_value_heads

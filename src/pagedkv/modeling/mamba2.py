@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ class GroupedGatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     """Token mixer of a Mamba-2 layer: packed rows [T, hidden] -> [T, hidden]."""
 
-    def __init__(self, config) -> None:  # noqa: ANN001 - a transformers config object
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.num_heads = config.mamba_num_heads
         self.head_dim = config.mamba_head_dim

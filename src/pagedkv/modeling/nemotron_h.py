@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import UnsupportedArchitectureError
-from pagedkv.modeling.hybrid import HybridContext, Piece, load_pieces
+from pagedkv.modeling.base import CausalLM, ForwardContext
 from pagedkv.modeling.mamba2 import Mamba2Mixer
-from pagedkv.ops import paged_attention, write_kv
+from pagedkv.modeling.weight_pieces import Piece, load_pieces
 
 _ACTS = {"relu2": lambda x: torch.square(F.relu(x)), "silu": F.silu, "gelu": F.gelu}
 
@@ -48,7 +49,7 @@ class RMSNorm(nn.Module):
 
 
 class NemotronHAttention(nn.Module):
-    def __init__(self, config, name: str) -> None:  # noqa: ANN001
+    def __init__(self, config: Any, name: str) -> None:
         super().__init__()
         self.name = name
         self.heads = config.num_attention_heads
@@ -60,20 +61,17 @@ class NemotronHAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: HybridContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.heads, self.head_dim)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        meta, k_cache, v_cache = ctx.attention(self.name)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping[:t])
-        out = paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                              meta.block_table, scale=self.head_dim**-0.5)
+        out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(t, -1))
 
 
 class NemotronHMLP(nn.Module):
-    def __init__(self, config, intermediate: int | None = None) -> None:  # noqa: ANN001
+    def __init__(self, config: Any, intermediate: int | None = None) -> None:
         super().__init__()
         size = intermediate or config.intermediate_size
         self.up_proj = nn.Linear(config.hidden_size, size, bias=config.mlp_bias)
@@ -85,7 +83,7 @@ class NemotronHMLP(nn.Module):
 
 
 class NemotronHRouter(nn.Module):
-    def __init__(self, config) -> None:  # noqa: ANN001
+    def __init__(self, config: Any) -> None:
         super().__init__()
         e = config.n_routed_experts
         self.weight = nn.Parameter(torch.zeros(e, config.hidden_size, dtype=torch.float32))
@@ -95,7 +93,7 @@ class NemotronHRouter(nn.Module):
 class NemotronHExperts(nn.Module):
     """Non-gated experts as the checkpoint stacks them: up [E, I, D], down [E, D, I]."""
 
-    def __init__(self, config) -> None:  # noqa: ANN001
+    def __init__(self, config: Any) -> None:
         super().__init__()
         d = config.moe_latent_size or config.hidden_size
         e, i = config.n_routed_experts, config.moe_intermediate_size
@@ -104,7 +102,7 @@ class NemotronHExperts(nn.Module):
 
 
 class NemotronHMoE(nn.Module):
-    def __init__(self, config) -> None:  # noqa: ANN001
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.n_group = config.n_group
@@ -152,7 +150,7 @@ class NemotronHMoE(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    def __init__(self, config, index: int) -> None:  # noqa: ANN001
+    def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         self.kind = config.layers_block_type[index]
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
@@ -171,7 +169,7 @@ class NemotronHBlock(nn.Module):
                 "full_attention, mlp, moe"
             )
 
-    def forward(self, x: torch.Tensor, ctx: HybridContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.norm(x)
         if self.kind == "linear_attention":
             h = self.mixer(h, *ctx.recurrent(self.state_name))
@@ -183,7 +181,7 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, config) -> None:  # noqa: ANN001
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -192,18 +190,20 @@ class NemotronHModel(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
     """Packed rows in, hidden states out; ``compute_logits`` for the rows sampled."""
 
-    def __init__(self, config) -> None:  # noqa: ANN001
-        super().__init__()
-        self.config = config
+    architectures = ("NemotronHForCausalLM",)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
         self.model = NemotronHModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embeddings.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: HybridContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embeddings(input_ids)
         for layer in self.model.layers:
             x = layer(x, ctx)
@@ -212,10 +212,15 @@ class NemotronHForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def tied_weights(self) -> dict[str, str]:
+        if getattr(self.config, "tie_word_embeddings", False):
+            return {"lm_head.weight": "model.embeddings.weight"}
+        return {}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (``backbone.*``, per-expert, as saved; or ``model.*`` stacked,
         as in memory) -> parameters."""
-        load_pieces(self, weights, self._pieces)
+        return load_pieces(self, weights, self._pieces)
 
     def _pieces(self, name: str) -> list[Piece]:
         if name.startswith("mtp.") or (name == "lm_head.weight" and self.config.tie_word_embeddings):

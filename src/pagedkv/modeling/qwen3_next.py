@@ -1,75 +1,64 @@
 """Qwen3-Next: gated delta net layers and gated full-attention layers, MoE MLPs.
 
 Full attention: q_proj yields a query and an output gate per head, q/k RMSNorm (1 + w),
-RoPE on the first ``partial_rotary_factor`` of each head, paged attention over pagedkv's
-blocks, output times sigmoid(gate). Linear attention: :class:`GatedDeltaNet` over pagedkv
-state slots. Parameter names follow the Hugging Face checkpoint.
+RoPE on the first ``partial_rotary_factor`` of each head, paged attention through the
+context's seam (``ctx.attend``), output times sigmoid(gate). Linear attention:
+:class:`GatedDeltaNet` over pagedkv state slots (``ctx.recurrent``). Parameter names follow
+the Hugging Face checkpoint; per-expert checkpoint tensors load into stacked experts.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.modeling.base import CausalLM, ForwardContext
 from pagedkv.modeling.gated_delta_net import GatedDeltaNet
-from pagedkv.modeling.hybrid import HybridContext, Piece, load_pieces, rope
-from pagedkv.ops import paged_attention, write_kv
-
-
-class OffsetRMSNorm(nn.Module):
-    """RMSNorm with weight (1 + w), in fp32 (weights start at zero)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+from pagedkv.modeling.layers import RMSNorm, Rope
+from pagedkv.modeling.weight_pieces import Piece, load_pieces
 
 
 class Qwen3NextAttention(nn.Module):
-    def __init__(self, config, name: str) -> None:  # noqa: ANN001
+    def __init__(self, config: Any, name: str) -> None:
         super().__init__()
         self.name = name
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        rope_params = config.rope_parameters
-        self.rotary_dim = int(self.head_dim * rope_params.get("partial_rotary_factor", 1.0))
-        self.rope_theta = rope_params["rope_theta"]
+        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        self.rotary_dim = int(self.head_dim * factor)
         bias = config.attention_bias
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.heads * self.head_dim * 2, bias=bias)
         self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
-        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=True)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=True)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: HybridContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
+                ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = rope(q, k, positions, self.rotary_dim, self.rope_theta)
-        meta, k_cache, v_cache = ctx.attention(self.name)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping[:t])
-        out = paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                              meta.block_table, scale=self.head_dim**-0.5)
+        r = self.rotary_dim
+        q_rot, k_rot = rope(q[..., :r], k[..., :r], positions)
+        q = torch.cat([q_rot, q[..., r:]], dim=-1)
+        k = torch.cat([k_rot, k[..., r:]], dim=-1)
+        out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
 
 class Qwen3NextMLP(nn.Module):
-    def __init__(self, config, intermediate: int) -> None:  # noqa: ANN001
+    def __init__(self, config: Any, intermediate: int) -> None:
         super().__init__()
         h = config.hidden_size
         self.gate_proj = nn.Linear(h, intermediate, bias=False)
@@ -81,7 +70,7 @@ class Qwen3NextMLP(nn.Module):
 
 
 class Qwen3NextRouter(nn.Module):
-    def __init__(self, config) -> None:  # noqa: ANN001
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
@@ -89,7 +78,7 @@ class Qwen3NextRouter(nn.Module):
 class Qwen3NextExperts(nn.Module):
     """Expert weights as the checkpoint stacks them: gate_up [E, 2I, H], down [E, H, I]."""
 
-    def __init__(self, config) -> None:  # noqa: ANN001
+    def __init__(self, config: Any) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
@@ -100,7 +89,7 @@ class Qwen3NextSparseMoe(nn.Module):
     """Softmax top-k routing (renormalised when ``norm_topk_prob``), a plain loop over the
     experts hit, plus a sigmoid-gated shared expert."""
 
-    def __init__(self, config) -> None:  # noqa: ANN001
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
@@ -125,7 +114,7 @@ class Qwen3NextSparseMoe(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config, index: int) -> None:  # noqa: ANN001
+    def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         self.kind = config.layer_types[index]
         if self.kind == "linear_attention":
@@ -136,53 +125,61 @@ class Qwen3NextDecoderLayer(nn.Module):
         sparse = (index not in config.mlp_only_layers and config.num_experts > 0
                   and (index + 1) % config.decoder_sparse_step == 0)
         self.mlp = Qwen3NextSparseMoe(config) if sparse else Qwen3NextMLP(config, config.intermediate_size)
-        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: HybridContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
+                ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.kind == "linear_attention":
             batch, states = ctx.recurrent(self.mixer_name)
             h = self.linear_attn(h, batch, states)
         else:
-            h = self.self_attn(h, positions, ctx)
+            h = self.self_attn(h, positions, rope, ctx)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config) -> None:  # noqa: ANN001
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        self.rotary_emb = Rope(config, int(head_dim * factor))
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
     """Packed rows in, hidden states out; ``compute_logits`` for the rows sampled."""
 
-    def __init__(self, config) -> None:  # noqa: ANN001
-        super().__init__()
-        self.config = config
+    architectures = ("Qwen3NextForCausalLM",)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
         self.model = Qwen3NextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: HybridContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb
         for layer in self.model.layers:
-            x = layer(x, positions, ctx)
+            x = layer(x, positions, rope, ctx)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (per-expert as saved, or stacked as in memory) -> parameters."""
-        load_pieces(self, weights, self._pieces)
+        return load_pieces(self, weights, self._pieces)
 
     def _pieces(self, name: str) -> list[Piece]:
         if name.startswith("mtp.") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
