@@ -14,19 +14,24 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w in fp32, cast back (``offset``: Gemma's (1 + w), cast after)."""
+    """x / rms(x) * w in fp32, cast back before the weight (Llama); ``offset``: Gemma's
+    (1 + w) in fp32, cast after; ``cast_after``: w times the fp32 value, then cast (gpt-oss)."""
 
-    def __init__(self, dim: int, eps: float, *, offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, *, offset: bool = False,
+                 cast_after: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.cast_after = cast_after
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (y * (1.0 + self.weight.float())).type_as(x)
+        if self.cast_after:
+            return (self.weight * y).to(x.dtype)
         return self.weight * y.to(x.dtype)
 
 
