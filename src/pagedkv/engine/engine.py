@@ -22,7 +22,7 @@ from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import sample
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestError
+from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestError, RequestTooLargeError
 from pagedkv.plan import PlanOptions, make_plan
 
 GREEDY = SamplingParams()
@@ -132,9 +132,10 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"request {rid!r}: prompt of {len(ids)} tokens leaves no room "
                                f"to generate within max_model_len {self.max_model_len}")
-        room = self.max_model_len - len(ids)
-        if sampling.max_new_tokens > room:
-            sampling = SamplingParams(**{**sampling.__dict__, "max_new_tokens": room})
+        if len(ids) + sampling.max_new_tokens > self.max_model_len:
+            raise RequestTooLargeError(
+                f"request {rid!r}: {len(ids)} prompt tokens + {sampling.max_new_tokens} new "
+                f"tokens exceed max_model_len {self.max_model_len}")
         req = Request(rid, tuple(ids), sampling)
         self.scheduler.add(req)
         self.requests[rid] = req

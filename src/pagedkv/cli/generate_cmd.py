@@ -1,0 +1,185 @@
+"""``pagedkv generate``: run prompts through the reference engine (a checkpoint folder, or
+a tiny random model of a catalog architecture), optionally checked against transformers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+from pagedkv.cli.common import positive_int
+from pagedkv.errors import InvalidArgumentError, PagedKVError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "generate", help="generate with the reference engine (checkpoint or --tiny model)",
+        description="Continuous batching over pagedkv's plan, block manager, metadata and "
+        "reference ops on native model code; --verify compares every logit row with "
+        "transformers' dense forward.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="PATH", help="Hugging Face checkpoint folder")
+    source.add_argument("--tiny", metavar="ARCH", help="tiny random fp32 model of a catalog "
+                        "model (see `pagedkv models`), built offline")
+    parser.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a prompt (repeatable); needs a tokenizer (--tiny: bytes)")
+    parser.add_argument("--prompts", type=positive_int, metavar="N",
+                        help="N random token prompts (default 4 without --prompt)")
+    parser.add_argument("--prompt-len", type=positive_int, default=24, metavar="N",
+                        help="tokens of each random prompt; the first half is shared")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verify", action="store_true",
+                        help="compare logits at every position with transformers (dense)")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
+    parser.add_argument("--block-size", type=positive_int, default=16, metavar="N")
+    parser.add_argument("--max-model-len", type=positive_int, metavar="N",
+                        help="default: the config's, at most 4096")
+    parser.add_argument("--max-batched-tokens", type=positive_int, default=256, metavar="N")
+    parser.add_argument("--kv-cache-mib", type=positive_int, default=256, metavar="N")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedkv.engine import Engine, EngineOptions, SamplingParams
+
+    device = _device(args.device)
+    hf = None
+    if args.tiny is not None:
+        from pagedkv.engine.tiny import ByteTokenizer, tiny_model
+
+        hf = tiny_model(args.tiny, seed=args.seed).to(device)
+        source, tokenizer = hf, ByteTokenizer()
+        arch = type(hf).__name__
+    else:
+        source, tokenizer = args.model, None
+        arch = None
+    dtype = None if args.dtype == "auto" else args.dtype
+    options = EngineOptions(
+        device=str(device), dtype=dtype, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_batched_tokens=args.max_batched_tokens,
+        kv_cache_bytes=args.kv_cache_mib << 20, seed=args.seed, record_logits=args.verify)
+    if options.max_model_len is None:
+        options = _capped(options, source)
+    engine = Engine(source, options, tokenizer=tokenizer)
+    arch = arch or (getattr(engine.config, "architectures", None) or ["?"])[0]
+    prompts = _prompts(args, engine.vocab_size)
+    sampling = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_p=args.top_p, top_k=args.top_k, seed=args.seed + i)
+                for i in range(len(prompts))]
+    bar = None
+    if not args.json:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", file=sys.stderr,
+                   disable=None)
+    outputs = engine.generate(prompts, sampling, progress=bar.update if bar else None)
+    if bar is not None:
+        bar.close()
+    diff = None
+    if args.verify:
+        from pagedkv.engine.verify import max_logit_diff
+
+        if hf is None:
+            hf = _reference(args.model, device, engine.dtype)
+        elif engine.dtype != torch.float32:
+            hf = hf.to(engine.dtype)
+        diff = max_logit_diff(engine, hf, outputs)
+    tol = 1e-4 if engine.dtype == torch.float32 else 5e-2
+    report = {
+        "architecture": arch,
+        "device": str(device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "requests": len(prompts),
+        "finished": sum(o.error is None for o in outputs),
+        "tokens_generated": engine.tokens_generated,
+        "steps": engine.steps,
+        "max_abs_logit_diff": diff,
+        "tolerance": tol,
+        "match": None if diff is None else diff <= tol,
+        "prefix_hit_rate": round(engine.prefix_hit_rate, 6),
+        "preemptions": engine.preemptions,
+        "outputs": [{"prompt_tokens": len(o.prompt_token_ids), "token_ids": o.token_ids,
+                     "text": o.text, "finish_reason": o.finish_reason} for o in outputs],
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for i, o in enumerate(outputs):
+            shown = o.text if o.text is not None else o.token_ids
+            print(f"[{i}] {o.finish_reason}: {shown!r}")
+        print(f"{arch}: {report['requests']} requests, {report['tokens_generated']} tokens in "
+              f"{report['steps']} steps, prefix hit rate {report['prefix_hit_rate']:.1%}, "
+              f"{report['preemptions']} preemptions")
+        if diff is not None:
+            verdict = "match" if report["match"] else "MISMATCH"
+            print(f"verify: max |logit diff| {diff:.3g} vs transformers ({verdict}, "
+                  f"tolerance {tol:g})")
+    failed = [(i, o) for i, o in enumerate(outputs) if o.error is not None]
+    if failed:
+        i, o = failed[0]
+        raise type(o.error)(f"{len(failed)} of {len(outputs)} requests failed "
+                            f"(the first: prompt {i}): {o.error}")
+    if diff is not None and not report["match"]:
+        print(f"pagedkv: error: logits differ from transformers by {diff:.3g} "
+              f"(tolerance {tol:g})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _device(name: str):  # noqa: ANN202 - torch.device
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InvalidArgumentError(f"--device must be cpu or cuda, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("--device cuda, but torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"--device must be cpu or cuda, got {name!r}")
+    return device
+
+
+def _capped(options, source):  # noqa: ANN001, ANN202
+    """Default max_model_len: the config's, at most 4096 (a CLI run needs no more)."""
+    from dataclasses import replace
+
+    config = getattr(source, "config", None)
+    if config is None:
+        from pathlib import Path
+
+        from pagedkv.engine.loader import read_config
+
+        config = read_config(Path(source))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = int(getattr(text, "max_position_embeddings", 0) or 4096)
+    return replace(options, max_model_len=min(limit, 4096))
+
+
+def _prompts(args: argparse.Namespace, vocab: int) -> list:
+    if args.prompt:
+        if args.prompts is not None:
+            raise InvalidArgumentError("give --prompt TEXT or --prompts N, not both")
+        return list(args.prompt)
+    rng = random.Random(args.seed)
+    shared = [rng.randrange(vocab) for _ in range(args.prompt_len // 2)]
+    return [shared + [rng.randrange(vocab) for _ in range(args.prompt_len - len(shared))]
+            for _ in range(args.prompts or 4)]
+
+
+def _reference(path: str, device, dtype):  # noqa: ANN001, ANN202
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    except (OSError, ValueError) as exc:
+        raise PagedKVError(f"transformers cannot load {path} for --verify: {exc}") from None
