@@ -256,3 +256,43 @@ def checkpoint_round_trip(hf, model_class, tmp_path):
         expect(drop in str(exc) and "shape" in str(exc), str(exc))
     else:
         raise AssertionError(f"a misshapen {drop} was accepted")
+
+
+# --- the same models through the engine's scheduler (tests/engine_check.py) ---------------
+
+def engine_preemption(hf, kv_cache_bytes):
+    """A cache too small for three long requests at once: the scheduler preempts, the
+    victims recompute (their state slots are new, their checkpoints may be gone)."""
+    from engine_check import max_logit_diff, options, prompts, run
+
+    ps = prompts(hf.config.vocab_size, (21, 23, 25), seed=3)
+    opts = options(kv_cache_bytes=kv_cache_bytes, max_model_len=32, max_batched_tokens=8)
+    engine = run(hf, ps, opts, new=7)
+    expect(engine.preemptions > 0, "the scenario did not preempt")
+    return max_logit_diff(hf, engine)
+
+
+def engine_prefix_hits(hf, every, want_hits):
+    """A second generate call on the same engine: one request shares a's first 10 tokens,
+    one extends a's whole turn (19 tokens); their hits come from recurrent checkpoints (by
+    default the last boundary a computed, 16; with ``every`` also every block)."""
+    from engine_check import max_logit_diff, options, prompts, run
+
+    a, b = prompts(hf.config.vocab_size, (13, 6), seed=4)
+    opts = options(max_batched_tokens=8, recurrent_checkpoint_every=every)
+    engine = run(hf, [a], opts, new=6)
+    turn = a + engine.outputs[0].token_ids
+    run(hf, [a[:10] + b, turn + b], opts, new=4, engine=engine)
+    hits = [engine.requests[o.rid].hit_tokens for o in engine.outputs[1:]]
+    expect(hits == want_hits, f"hits {hits}, want {want_hits}")
+    return max_logit_diff(hf, engine)
+
+
+def engine_greedy(hf):
+    from engine_check import hf_greedy, options, prompts, run
+
+    ps = prompts(hf.config.vocab_size, (5, 11, 3), seed=5)
+    engine = run(hf, ps, options(max_batched_tokens=6, record_logits=False), new=8)
+    for out, p in zip(engine.outputs, ps):
+        want = hf_greedy(hf, p, 8)
+        expect(out.token_ids == want, f"{out.token_ids} != generate's {want}")

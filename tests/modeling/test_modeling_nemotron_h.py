@@ -27,7 +27,7 @@ def models():
         moe_shared_expert_intermediate_size=16, n_group=2, topk_group=1,
         layers_block_type=["linear_attention", "mlp", "full_attention", "moe",
                            "linear_attention", "mlp"],
-        dtype="float32",
+        dtype="float32", max_position_embeddings=64,
     )
     torch.manual_seed(0)
     hf = transformers.NemotronHForCausalLM(config).eval()
@@ -70,3 +70,18 @@ def test_greedy_generation_equals_transformers_generate(models):
 
 def test_checkpoint_round_trip(models, tmp_path):
     hh.checkpoint_round_trip(models[0], NemotronHForCausalLM, tmp_path)  # asserts inside
+
+
+# --- through the engine (scheduler, runner, loader from the in-memory model) -------------
+
+def test_engine_logits_with_preemption(models):
+    assert hh.engine_preemption(models[0], kv_cache_bytes=18000) <= hh.TOL
+
+
+@pytest.mark.parametrize("every, hits", [(None, [0, 16]), (1, [8, 16])])
+def test_engine_logits_with_checkpoint_prefix_hits(models, every, hits):
+    assert hh.engine_prefix_hits(models[0], every, hits) <= hh.TOL
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(models):
+    hh.engine_greedy(models[0])  # raises on the first differing request

@@ -26,6 +26,7 @@ def models():
         linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
         decoder_sparse_step=2, full_attention_interval=2, dtype="float32",
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     hf = transformers.Qwen3NextForCausalLM(config).eval()
@@ -68,3 +69,18 @@ def test_greedy_generation_equals_transformers_generate(models):
 
 def test_checkpoint_round_trip(models, tmp_path):
     hh.checkpoint_round_trip(models[0], Qwen3NextForCausalLM, tmp_path)  # asserts inside
+
+
+# --- through the engine (scheduler, runner, loader from the in-memory model) -------------
+
+def test_engine_logits_with_preemption(models):
+    assert hh.engine_preemption(models[0], kv_cache_bytes=40000) <= hh.TOL
+
+
+@pytest.mark.parametrize("every, hits", [(None, [0, 16]), (1, [8, 16])])
+def test_engine_logits_with_checkpoint_prefix_hits(models, every, hits):
+    assert hh.engine_prefix_hits(models[0], every, hits) <= hh.TOL
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(models):
+    hh.engine_greedy(models[0])  # raises on the first differing request
