@@ -68,7 +68,7 @@ def test_greedy_generation_equals_transformers_generate(models):
 
 
 def test_checkpoint_round_trip(models, tmp_path):
-    hh.checkpoint_round_trip(models[0], Qwen3NextForCausalLM, tmp_path)  # asserts inside
+    assert hh.checkpoint_round_trip(models[0], Qwen3NextForCausalLM, tmp_path) <= hh.TOL
 
 
 # --- through the engine (scheduler, runner, loader from the in-memory model) -------------
