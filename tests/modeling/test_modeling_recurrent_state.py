@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from pagedkv.batch import ScheduledRequest  # noqa: E402
 from pagedkv.blocks import CopyOp  # noqa: E402
-from pagedkv.errors import MetadataError  # noqa: E402
+from pagedkv.errors import MetadataError, UnsupportedCapabilityError  # noqa: E402
 from pagedkv.modeling.recurrent_state import (  # noqa: E402
     RecurrentBatch,
     Segment,
@@ -51,6 +51,12 @@ def test_a_request_needs_exactly_one_slot():
     bad = ScheduledRequest("a", 0, 3, {G: [1, 2]})
     with pytest.raises(MetadataError, match="exactly one"):
         RecurrentBatch.build([bad], G)
+
+
+def test_draft_tokens_are_refused_not_silently_folded_into_the_state():
+    draft = ScheduledRequest("a", 4, 3, {G: [1]}, num_draft_tokens=2)
+    with pytest.raises(UnsupportedCapabilityError, match="2 draft tokens"):
+        RecurrentBatch.build([draft], G)
 
 
 def test_segments_read_their_slot_unless_fresh_and_write_slot_and_saves():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from pagedkv.batch import ScheduledRequest
 from pagedkv.blocks import CopyOp
-from pagedkv.errors import InvalidArgumentError, MetadataError
+from pagedkv.errors import InvalidArgumentError, MetadataError, UnsupportedCapabilityError
 from pagedkv.ops import write_state
 
 StateDict = dict[str, torch.Tensor]
@@ -79,6 +79,12 @@ class RecurrentBatch:
             if n == 0:
                 per_request.append([])
                 continue
+            if req.num_draft_tokens:
+                raise UnsupportedCapabilityError(
+                    f"request {req.req_id!r} carries {req.num_draft_tokens} draft tokens in "
+                    f"recurrent group {group_id}: a rejected draft would have advanced the "
+                    "state, and rolling recurrent state back is not implemented"
+                )
             if len(blocks) != 1:
                 raise MetadataError(
                     f"request {req.req_id!r} has {len(blocks)} state slots in recurrent group "
