@@ -1,0 +1,66 @@
+"""Checkpoint folders through the engine's loader: save_pretrained round trips (one file
+and sharded with an index), tied embeddings absent from the file, dtype conversion."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine_check import hf_greedy, max_logit_diff, options, prompts, run  # noqa: E402
+
+from pagedkv.engine import Engine  # noqa: E402
+from pagedkv.engine.tiny import tiny_model  # noqa: E402
+
+
+@pytest.fixture
+def saved(tmp_path, capsys):
+    def save(arch, **kw):
+        model = tiny_model(arch, seed=3)
+        model.save_pretrained(tmp_path, **kw)
+        capsys.readouterr()
+        return model, tmp_path
+
+    return save
+
+
+def test_sharded_round_trip_equals_transformers(saved):
+    hf, folder = saved("qwen3-8b", max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    ps = prompts(hf.config.vocab_size, (9, 14), seed=1)
+    engine = run(hf, ps, options(), new=4, engine=Engine(folder, options()))
+    assert max_logit_diff(hf, engine) <= 1e-4
+    for out, p in zip(engine.outputs, ps):
+        assert out.token_ids == hf_greedy(hf, p, 4)
+
+
+def test_tied_embeddings_need_no_lm_head_tensor(saved):
+    from safetensors import safe_open
+
+    hf, folder = saved("gemma-3-27b")  # ties lm_head to the embeddings
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    engine = Engine(folder, options())
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(engine.model.lm_head.weight, hf.lm_head.weight)
+
+
+def test_dtype_conversion_on_load(saved):
+    hf, folder = saved("llama-3-8b")
+    engine = Engine(folder, options(dtype="bf16", debug_nan=False))
+    w = engine.model.model.layers[0].self_attn.q_proj.weight
+    assert w.dtype == torch.bfloat16
+    assert torch.equal(w, hf.model.layers[0].self_attn.q_proj.weight.to(torch.bfloat16))
+    k = engine.runner.caches["model.layers.0.self_attn"]["k"]
+    assert k.dtype == torch.bfloat16
+
+
+def test_bf16_checkpoint_loads_into_fp32(saved, tmp_path):
+    hf, folder = saved("mistral-7b")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    engine = Engine(tmp_path / "bf16", options(dtype="fp32"))
+    w = engine.model.model.embed_tokens.weight
+    assert w.dtype == torch.float32
+    assert torch.equal(w, hf.model.embed_tokens.weight.float())
