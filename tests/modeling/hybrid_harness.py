@@ -15,6 +15,7 @@ from pagedkv.blocks import KVCacheManager
 from pagedkv.engine.request import Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.scheduler import Chunk
+from pagedkv.errors import PagedKVError
 from pagedkv.plan import PlanOptions, make_plan
 
 TOL = 1e-4
@@ -163,6 +164,44 @@ def prefix_hit_interval(hf, model, config, seed=0):
     return h.check(hf)
 
 
+def state_slot_budget(model, config, slots, block_size=4, max_model_len=64):
+    """The smallest plan budget (bytes, in 1 KiB steps) that gives exactly ``slots`` state slots."""
+    specs = type(model).layer_specs(config)
+    for budget in range(1024, 1 << 20, 1024):
+        try:
+            plan = make_plan(specs, PlanOptions(budget_bytes=budget, max_model_len=max_model_len,
+                                                block_size=block_size, max_batched_tokens=64))
+        except PagedKVError:
+            continue
+        if [g.num_blocks for g in plan.groups if g.is_recurrent] == [slots]:
+            return budget
+    raise AssertionError(f"no budget gives {slots} state slots")
+
+
+def prefix_hit_take_over(hf, model, config, seed=0):
+    """Two state slots: a running request and its one checkpoint hold both, so a second
+    request hitting that checkpoint takes it over as its working state (no copy) while the
+    first keeps decoding."""
+    budget = state_slot_budget(model, config, 2)
+    h = Harness(model, config, seed=seed, budget=budget, recurrent_checkpoint_every=1)
+    v = config.vocab_size
+    a = prompt(v, 14, seed)
+    h.add("a", a, 8)
+    h.step([("a", 14)])  # one free slot: only the longest point, 12, is saved
+    saves = [op for op in h.ops_seen if op.kind == "save"]
+    expect([op.position for op in saves] == [12], f"saves {saves}")
+    hit = h.add("b", a[:13] + prompt(v, 4, seed + 5), 3)
+    expect(hit == 12, f"hit {hit}, not the checkpoint at 12")
+    before = len(h.ops_seen)
+    h.step([("a", 1), ("b", h.remaining("b"))])
+    expect(not any(op.kind == "restore" for op in h.ops_seen[before:]), "copied, not taken over")
+    slot = h.mgr.block_tables("b")[[g.is_recurrent for g in h.plan.groups].index(True)]
+    expect(slot == [saves[0].dst], f"b's slot {slot}, the checkpoint was {saves[0].dst}")
+    for _ in range(3):
+        h.step([("b", 1), ("a", 1)])
+    return h.check(hf)
+
+
 def prefix_hit_next_turn(hf, model, config, seed=0):
     """Default checkpoint policy: the last block boundary a finished request computed
     (during decode) is where its next turn resumes."""
@@ -198,34 +237,6 @@ def preempt_recompute(hf, model, config, seed=0, every=None):
     h.step([("b", 1), ("a", h.remaining("a"))])
     for _ in range(3):
         h.step([("a", 1), ("b", 1)])
-    return h.check(hf)
-
-
-def greedy_generation(hf, model, config, seed=0, new=8):
-    """Continuous batching (staggered admissions, chunked prefill) gives the tokens of
-    transformers' greedy ``generate`` for every prompt."""
-    h = Harness(model, config, seed=seed)
-    v = config.vocab_size
-    prompts = {"a": prompt(v, 7, seed), "b": prompt(v, 12, seed + 1), "c": prompt(v, 3, seed + 2)}
-    h.add("a", prompts["a"], new)
-    h.step([("a", 7)])
-    h.add("b", prompts["b"], new)
-    h.step([("a", 1), ("b", 8)])
-    h.add("c", prompts["c"], new)
-    h.step([("b", 4), ("c", 3), ("a", 1)])
-    while True:
-        todo = [(r, 1) for r in prompts
-                if len(h.seqs[r]) - len(prompts[r]) < new]
-        if not todo:
-            break
-        h.step(todo)
-    hf.generation_config.eos_token_id = None
-    for rid, p in prompts.items():
-        with torch.no_grad():
-            ids = torch.tensor([p])  # an explicit mask: token 0 is not padding here
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                              do_sample=False, pad_token_id=0)[0].tolist()
-        expect(h.seqs[rid] == ref, f"{rid}: {h.seqs[rid]} != generate's {ref}")
     return h.check(hf)
 
 

@@ -54,6 +54,10 @@ def test_prefix_hit_restored_from_mid_chunk_checkpoint(models):
     assert hh.prefix_hit_interval(*models) <= hh.TOL
 
 
+def test_prefix_hit_takes_the_checkpoint_over_when_no_slot_is_free(models):
+    assert hh.prefix_hit_take_over(*models) <= hh.TOL
+
+
 def test_prefix_hit_next_turn_default_policy(models):
     assert hh.prefix_hit_next_turn(*models) <= hh.TOL
 
@@ -61,10 +65,6 @@ def test_prefix_hit_next_turn_default_policy(models):
 @pytest.mark.parametrize("every", [None, 2])
 def test_preempted_then_recomputed(models, every):
     assert hh.preempt_recompute(*models, every=every) <= hh.TOL
-
-
-def test_greedy_generation_equals_transformers_generate(models):
-    assert hh.greedy_generation(*models) <= hh.TOL
 
 
 def test_checkpoint_round_trip(models, tmp_path):
