@@ -83,3 +83,26 @@ def test_weight_errors_name_the_tensor():
         native.load_weights([*state.items(), ("model.norm.weight", torch.zeros(5))])
     with pytest.raises(WeightError, match="matches no parameter"):
         native.load_weights([*state.items(), ("model.extra.weight", torch.zeros(5))])
+
+
+def test_abort_mid_run_leaves_the_others_exact():
+    from engine_check import max_logit_diff, prompts
+
+    hf = tiny_model("gpt-oss-20b")
+    engine = Engine(hf, options(max_batched_tokens=6))
+    ps = prompts(hf.config.vocab_size, (7, 9, 5), seed=8)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in ps]
+    for _ in range(3):  # the second request is mid-prefill or decoding
+        engine.step()
+    assert engine.abort(rids[1]) and not engine.abort(rids[1])
+    while engine.scheduler.has_work():
+        engine.step()
+    reqs = [engine.requests[r] for r in rids]
+    assert [r.finish_reason for r in reqs] == ["length", "abort", "length"]
+    assert sum(engine.manager.blocks_used()) == 0
+    from pagedkv.engine import RequestOutput
+
+    engine.outputs = [RequestOutput(r.rid, list(r.prompt), list(r.output)) for r in reqs
+                      if r.finish_reason == "length"]
+    assert max_logit_diff(hf, engine) <= 1e-4

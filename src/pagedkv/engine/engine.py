@@ -23,6 +23,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import sample
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestError, RequestTooLargeError
+from pagedkv.modeling.base import AttentionBackend, reference_attention
 from pagedkv.plan import PlanOptions, make_plan
 
 GREEDY = SamplingParams()
@@ -33,7 +34,9 @@ class EngineOptions:
     """``kv_cache_bytes``: cache budget (planned at the KV dtype); ``max_model_len`` None:
     the config's ``max_position_embeddings``. Test aids: ``debug_nan`` NaN-fills the cache
     and every free page before each step, ``shuffle_seed`` shuffles the free lists,
-    ``record_logits`` keeps every computed row's logits (:attr:`Engine.logits`)."""
+    ``record_logits`` keeps every computed row's logits (:attr:`Engine.logits`).
+    ``attention_backend`` (None: the torch reference ops) is the kernel seam of
+    :mod:`pagedkv.modeling.base`."""
 
     device: str = "cpu"
     dtype: str | None = None
@@ -49,6 +52,7 @@ class EngineOptions:
     shuffle_seed: int | None = None
     record_logits: bool = False
     checked: bool | None = None
+    attention_backend: AttentionBackend | None = None
 
 
 @dataclass
@@ -94,7 +98,8 @@ class Engine:
             recurrent_checkpoint_every=options.recurrent_checkpoint_every)
         self.runner = ModelRunner(self.model, self.plan, self.specs, self.manager,
                                   device=self.device, kv_dtype=self.dtype,
-                                  debug_nan=options.debug_nan, shuffle_seed=options.shuffle_seed)
+                                  debug_nan=options.debug_nan, shuffle_seed=options.shuffle_seed,
+                                  backend=options.attention_backend or reference_attention)
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(text, "eos_token_id", None)
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

@@ -20,7 +20,7 @@ from pagedkv.blocks import CopyOp, KVCacheManager
 from pagedkv.engine.cache import allocate_caches
 from pagedkv.engine.scheduler import Chunk
 from pagedkv.kvspec import LayerSpec
-from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.base import AttentionBackend, CausalLM, ForwardContext, reference_attention
 from pagedkv.modeling.recurrent_state import RecurrentBatch, apply_restores
 from pagedkv.ops import fill_nan_
 from pagedkv.plan.types import Plan
@@ -37,8 +37,10 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: CausalLM, plan: Plan, specs: Sequence[LayerSpec],
                  manager: KVCacheManager, *, device: torch.device, kv_dtype: torch.dtype,
-                 debug_nan: bool = False, shuffle_seed: int | None = None) -> None:
+                 debug_nan: bool = False, shuffle_seed: int | None = None,
+                 backend: AttentionBackend = reference_attention) -> None:
         self.model = model
+        self.backend = backend
         self.plan = plan
         self.mgr = manager
         self.device = device
@@ -79,7 +81,8 @@ class ModelRunner:
         meta = build_metadata(reqs, self.attn_groups, device=self.device)
         batches = {g.id: RecurrentBatch.build(reqs, g.id, copy_ops) for g in self.recurrent_groups}
         ctx = ForwardContext(self.layer_group, self.specs, meta, self.caches, batches=batches,
-                             requests=tuple(reqs), copy_ops=tuple(copy_ops))
+                             requests=tuple(reqs), copy_ops=tuple(copy_ops),
+                             backend=self.backend)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         with torch.inference_mode():
