@@ -23,6 +23,8 @@ _NATIVE: dict[str, str] = {
     "GptOssForCausalLM": "pagedkv.modeling.gpt_oss:GptOssForCausalLM",
     "Qwen3NextForCausalLM": "pagedkv.modeling.qwen3_next:Qwen3NextForCausalLM",
     "NemotronHForCausalLM": "pagedkv.modeling.nemotron_h:NemotronHForCausalLM",
+    "DeepseekV3ForCausalLM": "pagedkv.modeling.deepseek_v3:DeepseekV3ForCausalLM",
+    "KimiLinearForCausalLM": "pagedkv.modeling.kimi_linear:KimiLinearForCausalLM",
 }
 
 
