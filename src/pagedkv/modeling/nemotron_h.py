@@ -91,7 +91,8 @@ class NemotronHRouter(nn.Module):
 
 
 class NemotronHExperts(nn.Module):
-    """Non-gated experts as the checkpoint stacks them: up [E, I, D], down [E, D, I]."""
+    """Non-gated experts stacked as transformers keeps them: up [E, I, D], down [E, D, I]
+    (checkpoints save them per expert; ``load_weights`` stacks them)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedkv.modeling.base import CausalLM, ForwardContext
 from pagedkv.modeling.gated_delta_net import GatedDeltaNet
-from pagedkv.modeling.layers import RMSNorm, Rope
+from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
 
 
@@ -57,18 +57,6 @@ class Qwen3NextAttention(nn.Module):
         return self.o_proj(out)
 
 
-class Qwen3NextMLP(nn.Module):
-    def __init__(self, config: Any, intermediate: int) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.gate_proj = nn.Linear(h, intermediate, bias=False)
-        self.up_proj = nn.Linear(h, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Qwen3NextRouter(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -76,7 +64,8 @@ class Qwen3NextRouter(nn.Module):
 
 
 class Qwen3NextExperts(nn.Module):
-    """Expert weights as the checkpoint stacks them: gate_up [E, 2I, H], down [E, H, I]."""
+    """Expert weights stacked as transformers keeps them: gate_up [E, 2I, H], down [E, H, I]
+    (checkpoints save them per expert; ``load_weights`` stacks them)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -95,7 +84,7 @@ class Qwen3NextSparseMoe(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = Qwen3NextRouter(config)
         self.experts = Qwen3NextExperts(config)
-        self.shared_expert = Qwen3NextMLP(config, config.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +113,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = Qwen3NextAttention(config, f"model.layers.{index}.self_attn")
         sparse = (index not in config.mlp_only_layers and config.num_experts > 0
                   and (index + 1) % config.decoder_sparse_step == 0)
-        self.mlp = Qwen3NextSparseMoe(config) if sparse else Qwen3NextMLP(config, config.intermediate_size)
+        self.mlp = Qwen3NextSparseMoe(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
 
