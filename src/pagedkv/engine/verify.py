@@ -11,9 +11,11 @@ import torch
 from pagedkv.engine.engine import Engine, RequestOutput
 
 
-def max_logit_diff(engine: Engine, hf_model: Any, outputs: Sequence[RequestOutput]) -> float:
-    """Largest |engine - transformers| over every recorded row (NaN counts as inf)."""
-    worst = 0.0
+def max_logit_diff(engine: Engine, hf_model: Any,
+                   outputs: Sequence[RequestOutput]) -> tuple[float, float]:
+    """(largest |engine - transformers| over every recorded row (NaN counts as inf),
+    largest |transformers logit| over those rows: the scale a 16-bit tolerance needs)."""
+    worst = scale = 0.0
     device = next(hf_model.parameters()).device
     for out in outputs:
         if out.error is not None or out.rid not in engine.logits:
@@ -25,4 +27,5 @@ def max_logit_diff(engine: Engine, hf_model: Any, outputs: Sequence[RequestOutpu
             diff = (row.to(ref.device) - ref[pos]).abs().max()
             value = float(diff) if bool(torch.isfinite(diff)) else float("inf")
             worst = max(worst, value)
-    return worst
+            scale = max(scale, float(ref[pos].abs().max()))
+    return worst, scale
