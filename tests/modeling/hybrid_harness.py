@@ -111,12 +111,13 @@ class Harness:
 
 
 def perturb_(model, seed: int) -> None:
-    """Random weights everywhere (norm weights, biases and router biases included), so
-    that no parameter sits at an initial value that would hide a wrong formula."""
-    g = torch.Generator().manual_seed(seed)
+    """``engine_check.randomize_`` (every parameter), plus MoE routers' score-correction
+    biases, which are buffers, so that no value sits where it would hide a wrong formula."""
+    from engine_check import randomize_
+
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
         for name, b in model.named_buffers():
             if "correction_bias" in name:
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
@@ -195,7 +196,8 @@ def prefix_hit_take_over(hf, model, config, seed=0):
     before = len(h.ops_seen)
     h.step([("a", 1), ("b", h.remaining("b"))])
     expect(not any(op.kind == "restore" for op in h.ops_seen[before:]), "copied, not taken over")
-    slot = h.mgr.block_tables("b")[[g.is_recurrent for g in h.plan.groups].index(True)]
+    (gid,) = [g.id for g in h.plan.groups if g.is_recurrent]
+    slot = h.mgr.block_tables("b")[h.runner.gids.index(gid)]
     expect(slot == [saves[0].dst], f"b's slot {slot}, the checkpoint was {saves[0].dst}")
     for _ in range(3):
         h.step([("b", 1), ("a", 1)])
