@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from engine_check import hf_greedy, max_logit_diff, options, prompts, run  # noqa: E402
 
-from pagedkv.engine import Engine  # noqa: E402
+from pagedkv.engine import Engine, SamplingParams  # noqa: E402
 from pagedkv.engine.tiny import tiny_model  # noqa: E402
 
 
@@ -64,3 +64,20 @@ def test_bf16_checkpoint_loads_into_fp32(saved, tmp_path):
     w = engine.model.model.embed_tokens.weight
     assert w.dtype == torch.float32
     assert torch.equal(w, hf.model.embed_tokens.weight.float())
+
+
+def test_folder_tokenizer_takes_text(saved):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    hf, folder = saved("llama-3-8b")
+    words = ["<unk>", "the", "cache", "is", "paged", "and", "shared"]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    engine = Engine(folder, options(record_logits=False))
+    out = engine.generate(["the cache is paged"], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert out.prompt_token_ids == [1, 2, 3, 4]
+    assert out.token_ids == hf_greedy(hf, [1, 2, 3, 4], 3)
+    assert out.text == engine.tokenizer.decode(out.token_ids)
