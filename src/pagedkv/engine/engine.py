@@ -53,6 +53,7 @@ class EngineOptions:
     record_logits: bool = False
     checked: bool | None = None
     attention_backend: AttentionBackend | None = None
+    spec_tokens: int = 0  # lookahead slots per decode for draft tokens (runner ``drafts``)
 
 
 @dataclass
@@ -104,7 +105,8 @@ class Engine:
         eos = eos if eos is not None else getattr(text, "eos_token_id", None)
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.scheduler = Scheduler(self.manager, max_running=options.max_running,
-                                   eos_token_ids=eos_ids, max_model_len=self.max_model_len)
+                                   eos_token_ids=eos_ids, max_model_len=self.max_model_len,
+                                   spec_tokens=options.spec_tokens)
         self._ids = itertools.count()
         self._generators: dict[object, torch.Generator] = {}
         self._default_gen = torch.Generator(device=self.device).manual_seed(options.seed)

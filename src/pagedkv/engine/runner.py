@@ -10,7 +10,7 @@ model with the step's rows packed request after request.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from pagedkv.batch import ScheduledRequest, build_metadata
 from pagedkv.blocks import CopyOp, KVCacheManager
 from pagedkv.engine.cache import allocate_caches
 from pagedkv.engine.scheduler import Chunk
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.kvspec import LayerSpec
 from pagedkv.modeling.base import AttentionBackend, CausalLM, ForwardContext, reference_attention
 from pagedkv.modeling.recurrent_state import RecurrentBatch, apply_restores
@@ -59,25 +60,39 @@ class ModelRunner:
             for pool in manager.pools:
                 rng.shuffle(pool.free)
 
-    def scheduled(self, chunk: Chunk) -> ScheduledRequest:
+    def scheduled(self, chunk: Chunk, num_drafts: int = 0) -> ScheduledRequest:
         tables = self.mgr.block_tables(chunk.request.rid)
         blocks = {self.gids[i]: list(t) for i, t in enumerate(tables)}
-        return ScheduledRequest(chunk.request.rid, chunk.num_computed, chunk.num_new_tokens,
-                                blocks)
+        return ScheduledRequest(chunk.request.rid, chunk.num_computed,
+                                chunk.num_new_tokens + num_drafts, blocks, num_drafts)
 
     def execute(self, chunks: Sequence[Chunk], copy_ops: Sequence[CopyOp], *,
-                all_rows: bool = False) -> StepOutput:
-        """Run the step; logits for every row (``all_rows``) or each sampling chunk's last."""
+                all_rows: bool = False,
+                drafts: Mapping[object, Sequence[int]] | None = None) -> StepOutput:
+        """Run the step; logits for every row (``all_rows``) or each sampling chunk's last
+        row. ``drafts[rid]``: draft tokens riding on a speculative chunk (at most its
+        ``num_lookahead``), run as extra rows after its token; every row of such a chunk
+        comes back (the target's verdict on each draft and the bonus token)."""
         if self.debug_nan:
             self._nan_free_pages()
         self._apply_copies(copy_ops)
-        reqs = [self.scheduled(c) for c in chunks]
+        drafts = drafts or {}
+        extra = []
+        for c in chunks:
+            k = len(drafts.get(c.request.rid, ()))
+            if k > c.num_lookahead:
+                raise InvalidArgumentError(
+                    f"request {c.request.rid!r}: {k} draft tokens but {c.num_lookahead} "
+                    "lookahead slots allocated")
+            extra.append(k)
+        reqs = [self.scheduled(c, k) for c, k in zip(chunks, extra)]
         ids: list[int] = []
         pos: list[int] = []
-        for c in chunks:
+        for c, k in zip(chunks, extra):
             tokens = self.mgr.requests[c.request.rid].tokens
             ids += tokens[c.num_computed : c.num_computed + c.num_new_tokens]
-            pos += range(c.num_computed, c.num_computed + c.num_new_tokens)
+            ids += [int(t) for t in drafts.get(c.request.rid, ())]
+            pos += range(c.num_computed, c.num_computed + c.num_new_tokens + k)
         meta = build_metadata(reqs, self.attn_groups, device=self.device)
         batches = {g.id: RecurrentBatch.build(reqs, g.id, copy_ops) for g in self.recurrent_groups}
         ctx = ForwardContext(self.layer_group, self.specs, meta, self.caches, batches=batches,
@@ -90,10 +105,10 @@ class ModelRunner:
             rows: list[range] = []
             pick: list[int] = []
             start = 0
-            for c in chunks:
-                end = start + c.num_new_tokens
-                if all_rows:
-                    want = range(start, end)
+            for c, k in zip(chunks, extra):
+                end = start + c.num_new_tokens + k
+                if all_rows or k:
+                    want = range(start, end) if all_rows else range(end - k - 1, end)
                 else:
                     want = range(end - 1, end) if c.samples else range(0)
                 rows.append(range(len(pick), len(pick) + len(want)))
