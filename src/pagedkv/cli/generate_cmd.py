@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.engine import Engine, EngineOptions, SamplingParams
 
     device = _device(args.device)
+    if device.type == "cuda":  # fp32 means fp32: no TF32 in matmuls or convolutions
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     hf = None
     if args.tiny is not None:
         from pagedkv.engine.tiny import ByteTokenizer, tiny_model
