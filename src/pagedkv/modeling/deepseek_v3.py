@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.modeling.base import CausalLM, ForwardContext
-from pagedkv.modeling.layers import GatedMLP, RMSNorm
+from pagedkv.modeling.layers import _ACTS, GatedMLP, RMSNorm
 from pagedkv.modeling.mla import MLAAttention, MLARope
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
 
@@ -29,7 +29,7 @@ class TopkRouter(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        e = config.n_routed_experts
+        e = config.num_local_experts
         self.weight = nn.Parameter(torch.zeros(e, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(e))
         self.top_k = config.num_experts_per_tok
@@ -60,7 +60,8 @@ class Experts(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.act = _ACTS[config.hidden_act]
+        e, h, i = config.num_local_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
 
@@ -69,7 +70,7 @@ class Experts(nn.Module):
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y = F.linear(self.act(gate) * up, self.down_proj[e])
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(x.dtype))
         return out
 
@@ -80,7 +81,8 @@ class MoE(nn.Module):
         self.gate = TopkRouter(config)
         self.experts = Experts(config)
         shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
-        self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
+        self.shared_experts = (GatedMLP(config.hidden_size, shared, act=config.hidden_act)
+                               if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -93,7 +95,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLAAttention(config, f"model.layers.{index}.self_attn")
         dense = index < config.first_k_dense_replace or not config.n_routed_experts
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size) if dense else MoE(config)
+        self.mlp = (GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act)
+                    if dense else MoE(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -151,15 +154,13 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def expert_pieces(name: str, size: int, rename: str | None = None) -> list[Piece]:
+def expert_pieces(name: str, size: int) -> list[Piece]:
     """Per-expert checkpoint names -> slices of the stacked expert parameters; any other
-    name -> the whole parameter of that name (``rename``: the name to use instead)."""
+    name -> the whole parameter of that name."""
     m = _PER_EXPERT.fullmatch(name)
     if m is None:
-        return [(rename or name, ())]
+        return [(name, ())]
     prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    if rename is not None:
-        prefix = rename
     if proj == "down_proj":
         return [(f"{prefix}.down_proj", (e,))]
     part = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
