@@ -10,33 +10,8 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine_check import budget_for, hf_greedy, max_logit_diff, options, prompts, randomize_, run  # noqa: E402
-
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-def tiny(q_lora: bool, *, yarn: bool = True, interleave: bool = True, seed: int = 0):
-    import torch
-
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        q_lora_rank=24 if q_lora else None, kv_lora_rank=32, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=64,
-        rope_interleave=interleave, num_nextn_predict_layers=0,
-        rope_parameters=dict(YARN) if yarn else {"rope_type": "default", "rope_theta": 10000.0},
-    )
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    randomize_(model, seed + 1)
-    with torch.no_grad():  # a correction bias that changes which experts win
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.2)
-    return model
+from engine_check import budget_for, hf_greedy, max_logit_diff, options, prompts, run  # noqa: E402
+from mla_models import tiny_deepseek_v3 as tiny  # noqa: E402
 
 
 @pytest.mark.parametrize("q_lora,yarn,interleave", [(True, True, True), (False, False, False)])

@@ -10,30 +10,8 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine_check import hf_greedy, max_logit_diff, options, prompts, randomize_, run  # noqa: E402
-
-
-def tiny(seed: int = 0, q_lora: int | None = None):
-    import torch
-
-    cfg = transformers.KimiLinearConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        num_experts=8, num_experts_per_token=2, num_shared_experts=1, num_expert_group=2,
-        topk_group=1, routed_scaling_factor=2.0, q_lora_rank=q_lora, kv_lora_rank=32,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-        linear_attn_config={"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4,
-                            "full_attn_layers": [2], "kda_layers": [1, 3]},
-        pad_token_id=0, bos_token_id=1, eos_token_id=None,  # generate: no EOS suppression
-    )
-    torch.manual_seed(seed)
-    model = transformers.KimiLinearForCausalLM(cfg).eval()
-    randomize_(model, seed + 1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.2)
-    return model
+from engine_check import hf_greedy, max_logit_diff, options, prompts, run  # noqa: E402
+from mla_models import tiny_kimi_linear as tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")
