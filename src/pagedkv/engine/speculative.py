@@ -33,6 +33,7 @@ from pagedkv.engine.engine import Engine, EngineOptions
 from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.scheduler import Chunk
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.kvspec import LayerSpec
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,14 @@ class Drafter(Protocol):
         """At most ``k[rid]`` drafts for each decoding request of the step."""
         ...
 
-    def observe(self, engine: Engine, hidden: torch.Tensor | None) -> None:
-        """The target's verify pass ran (``hidden``: its pre-norm hidden rows, if the
-        model keeps them): drafters that condition on the target read them here."""
+    def layer_specs(self, config: Any) -> tuple[LayerSpec, ...]:
+        """The drafter's cache-holding layers, planned together with the target's."""
+        ...
+
+    def observe(self, engine: Engine, rid: object, start: int,
+                hidden: torch.Tensor | None) -> None:
+        """The target computed positions ``start ..`` of request ``rid`` for good (kept
+        rows only; ``hidden``: the target's final hidden rows, if the model keeps them)."""
         ...
 
 
@@ -168,8 +174,53 @@ class ScriptedDrafter:
             out[rid] = Proposal(tuple(int(t) for t in self.script[rid][n : n + k[rid]]))
         return out
 
-    def observe(self, engine: Engine, hidden: torch.Tensor | None) -> None:
+    def layer_specs(self, config: Any) -> tuple[LayerSpec, ...]:
+        return ()
+
+    def observe(self, engine: Engine, rid: object, start: int,
+                hidden: torch.Tensor | None) -> None:
         return None
+
+
+class StateRollback:
+    """Recurrent targets: a verify pass advances each state slot over every draft, the
+    rejected ones too. Before the pass the drafting requests' slots are copied; after
+    acceptance a request that rejected a draft gets its copy back and its accepted rows
+    (last token + accepted drafts) are recomputed from it. (Attention KV at those
+    positions is rewritten with the values it already holds.)"""
+
+    def __init__(self, engine: Engine) -> None:
+        runner = engine.runner
+        self.engine = engine
+        self.groups = [(engine.runner.gids.index(g.id), [
+            t for name in g.layer_names for t in runner.caches.get(name, {}).values()])
+            for g in runner.recurrent_groups]
+        self.saved: dict[object, list[list[torch.Tensor]]] = {}
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.groups)
+
+    def _slots(self, rid: object) -> list[int]:
+        tables = self.engine.manager.block_tables(rid)
+        return [tables[i][0] for i, _ in self.groups]
+
+    def save(self, rids: Sequence[object]) -> None:
+        self.saved = {rid: [[t[slot].clone() for t in tensors] for (_, tensors), slot
+                            in zip(self.groups, self._slots(rid))] for rid in rids}
+
+    def restore_and_recompute(self, redo: Mapping[object, tuple[Chunk, int]]) -> None:
+        """``redo[rid]`` = (the verify chunk, rows to recompute) for requests that
+        rejected a draft; done after the scheduler committed them."""
+        if not redo:
+            return
+        for rid in redo:
+            for (_, tensors), slot, copies in zip(self.groups, self._slots(rid), self.saved[rid]):
+                for t, c in zip(tensors, copies):
+                    t[slot].copy_(c)
+        chunks = [Chunk(c.request, c.num_computed, n, False) for c, n in redo.values()]
+        self.engine.runner.execute(chunks, ())
+        self.saved = {}
 
 
 class SpeculativeEngine(Engine):
@@ -182,10 +233,16 @@ class SpeculativeEngine(Engine):
         if options.spec_tokens < 1:
             raise InvalidArgumentError(
                 f"speculative decoding needs spec_tokens >= 1, got {options.spec_tokens}")
-        super().__init__(model, options)
         self.drafter = drafter
+        super().__init__(model, options)
         self.stats = SpecStats()
+        self.rollback = StateRollback(self)
+        self.runner.recurrent_drafts_rolled_back = self.rollback.needed
         drafter.check(self, options.spec_tokens)
+
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """The target's layers and the drafter's, planned together (shared block tables)."""
+        return tuple(super().layer_specs()) + tuple(self.drafter.layer_specs(self.config))
 
     def step(self) -> list[Request]:
         plan = self.scheduler.schedule()
@@ -197,9 +254,13 @@ class SpeculativeEngine(Engine):
         room = {rid: n for rid, n in room.items() if n > 0}
         proposals = self.drafter.propose(self, plan.chunks, room) if room else {}
         drafts = {rid: list(p.tokens) for rid, p in proposals.items() if p.tokens}
+        if self.rollback.needed:
+            self.rollback.save(list(drafts))
+        redo: dict[object, tuple[Chunk, int]] = {}
         out = self.runner.execute(plan.chunks, ops, all_rows=self.options.record_logits,
                                   drafts=drafts)
-        self.drafter.observe(self, getattr(self.model, "last_hidden", None))
+        hidden = getattr(self.model, "last_hidden", None)
+        row0 = 0
         sampled: dict[object, list[int]] = {}
         for chunk, rows in zip(plan.chunks, out.rows):
             req = chunk.request
@@ -220,17 +281,196 @@ class SpeculativeEngine(Engine):
                     self.stats.accepted += len(tokens) - 1
                     self.stats.emitted += len(tokens)
                 sampled[rid] = tokens
+                if k and len(tokens) - 1 < k and self.rollback.needed:
+                    redo[rid] = (chunk, min(len(tokens), req.remaining))
+            # rows past the first rejected draft saw a sequence that is not kept
+            keep = chunk.num_new_tokens + (len(tokens) - 1 if tokens is not None and k else 0)
+            self.drafter.observe(self, rid, chunk.num_computed,
+                                 None if hidden is None else hidden[row0 : row0 + keep])
+            row0 += chunk.num_new_tokens + k
             if self.options.record_logits:
-                # rows past the first rejected draft saw a sequence that is not kept
-                keep = len(rows) - k + (len(tokens) - 1 if tokens is not None and k else 0)
                 kept = self.logits.setdefault(rid, [])
                 kept += [(chunk.num_computed + j, out.logits[r])
                          for j, r in enumerate(list(rows)[:keep])]
         before = {c.request.rid: c.request.num_generated for c in plan.chunks}
         done = self.scheduler.update(plan, sampled)
+        self.rollback.restore_and_recompute(
+            {rid: r for rid, r in redo.items() if self.requests[rid] not in done})
         self.tokens_generated += sum(c.request.num_generated - before[c.request.rid]
                                      for c in plan.chunks)
         self.steps += 1
         for req in done:
             self._generators.pop(req.rid, None)
         return done
+
+
+@dataclass
+class _Pending:
+    """Target hidden rows whose MTP KV is not computed yet: positions start, start+1..."""
+
+    start: int
+    rows: list[torch.Tensor]
+
+
+class MTPDrafter:
+    """DeepSeek MTP (depth 0, chained for k > 1) over the target's MLA block table.
+
+    Its layer ``draft.layers.0.self_attn`` is planned with the target's (same latent
+    layout, position_offset 1). Each step, before the verify pass, it catches up: for
+    every position p the target finished since its last run it computes its KV at p from
+    (token p + 1, target hidden at p); the last such row drafts the first token, and k - 1
+    one-row passes chain on the block's own output. Chained rows' KV lies in lookahead
+    slots and is overwritten by the next catch-up."""
+
+    name = "mtp"
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.pending: dict[object, _Pending] = {}
+        self.first_logits: list[tuple[object, int, torch.Tensor]] = []  # (rid, position, row)
+
+    def layer_specs(self, config: Any) -> tuple[LayerSpec, ...]:
+        from pagedkv.models.drafters import mtp_layers
+
+        raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        return mtp_layers(raw)[:1]
+
+    def check(self, engine: Engine, k: int) -> None:
+        from pagedkv.errors import IncompatibleLayersError
+
+        if engine.options.enable_prefix_caching:
+            raise InvalidArgumentError(
+                "--draft mtp runs without prefix caching (a hit gives no target hidden "
+                "states for the MTP layer to catch up from); disable prefix caching")
+        name = "draft.layers.0.self_attn"
+        mine = engine.runner.specs.get(name)
+        target = [s for s in engine.specs if s.model != "draft" and s.attention is not None]
+        if mine is None or not target or mine.layout != target[0].layout:
+            raise IncompatibleLayersError(
+                f"MTP layer latent layout {getattr(mine, 'layout', None)} does not match the "
+                f"target's {target[0].layout if target else None}")
+        if engine.runner.layer_group[name] != engine.runner.layer_group[target[0].name]:
+            raise IncompatibleLayersError("the MTP layer is not in the target's block table")
+        self.module.to(device=engine.device, dtype=engine.dtype)
+
+    def observe(self, engine: Engine, rid: object, start: int,
+                hidden: torch.Tensor | None) -> None:
+        if hidden is None:
+            raise InvalidArgumentError(
+                f"{type(engine.model).__name__} keeps no hidden states for an MTP drafter")
+        pend = self.pending.get(rid)
+        if pend is None or start != pend.start + len(pend.rows):
+            if pend is not None and start > pend.start + len(pend.rows):
+                raise InvalidArgumentError(
+                    f"request {rid!r}: MTP catch-up gap at positions "
+                    f"{pend.start + len(pend.rows)}..{start - 1}")
+            if pend is None or start < pend.start:
+                pend = _Pending(start, [])  # a (re)computed request: catch up from here
+            else:
+                pend.rows = pend.rows[: start - pend.start]
+            self.pending[rid] = pend
+        pend.rows += list(hidden.detach())
+
+    def propose(self, engine: Engine, chunks: Sequence[Chunk],
+                k: Mapping[object, int]) -> dict[object, Proposal]:
+        todo = [c for c in chunks if c.request.rid in k and c.request.rid in self.pending]
+        if not todo:
+            return {}
+        tokens = {c.request.rid: engine.manager.requests[c.request.rid].tokens for c in todo}
+        rows = []
+        for c in todo:
+            pend = self.pending[c.request.rid]
+            if pend.start + len(pend.rows) != c.num_computed:
+                raise InvalidArgumentError(
+                    f"request {c.request.rid!r}: MTP rows end at "
+                    f"{pend.start + len(pend.rows)}, the step starts at {c.num_computed}")
+            ids = tokens[c.request.rid][pend.start + 1 : c.num_computed + 1]
+            rows.append((c.request.rid, pend.start, ids, torch.stack(pend.rows)))
+        hidden = self._run(engine, rows)
+        drafts = {rid: [] for rid, *_ in rows}
+        ends, start = [], 0
+        for _, _, ids, _ in rows:
+            start += len(ids)
+            ends.append(start - 1)
+        last = hidden[ends]
+        for step in range(max(k[rid] for rid in drafts)):
+            logits = self.module.compute_logits(last).float()
+            if step == 0:
+                self.first_logits += [(rid, ps + len(ids) - 1, logits[i])
+                                      for i, (rid, ps, ids, _) in enumerate(rows)]
+            nxt = logits.argmax(-1).tolist()
+            for (rid, *_), tok in zip(rows, nxt):
+                if len(drafts[rid]) < k[rid]:
+                    drafts[rid].append(int(tok))
+            live = [(i, r) for i, r in enumerate(rows) if len(drafts[r[0]]) < k[r[0]]]
+            if not live:
+                break
+            chain = [(rid, pos_start + len(ids) + step, [drafts[rid][-1]], last[i : i + 1])
+                     for i, (rid, pos_start, ids, _) in live]
+            out = self._run(engine, chain)
+            last = last.clone()
+            for j, (i, _) in enumerate(live):
+                last[i] = out[j]
+        for rid, pos_start, ids, _ in rows:
+            self.pending[rid] = _Pending(pos_start + len(ids), [])
+        return {rid: Proposal(tuple(d)) for rid, d in drafts.items()}
+
+    def _run(self, engine: Engine, rows) -> torch.Tensor:
+        """One MTP forward: rows (rid, first position, token ids, hidden [n, h])."""
+        from pagedkv.batch import ScheduledRequest, build_metadata
+        from pagedkv.modeling.base import ForwardContext
+
+        runner = engine.runner
+        name = "draft.layers.0.self_attn"
+        gid = runner.layer_group[name]
+        group = next(g for g in runner.attn_groups if g.id == gid)
+        reqs, ids, pos, hid = [], [], [], []
+        for rid, first, toks, h in rows:
+            tables = engine.manager.block_tables(rid)
+            blocks = {runner.gids[i]: list(t) for i, t in enumerate(tables)}
+            reqs.append(ScheduledRequest(rid, first, len(toks), blocks))
+            ids += list(toks)
+            pos += range(first, first + len(toks))
+            hid.append(h)
+        meta = build_metadata(reqs, [group], device=engine.device)
+        ctx = ForwardContext(runner.layer_group, runner.specs, meta, runner.caches,
+                             backend=runner.backend)
+        with torch.inference_mode():
+            return self.module(torch.tensor(ids, dtype=torch.long, device=engine.device),
+                               torch.cat(hid), torch.tensor(pos, dtype=torch.long,
+                                                            device=engine.device), ctx)
+
+
+DRAFTERS = ("mtp", "dspark", "eagle3", "scripted")
+
+
+def make_drafter(name: str, config: Any, *, script: Mapping[object, Sequence[int]] | None = None,
+                 weights: Any = None, seed: int = 0) -> Drafter:
+    """The drafter ``--draft NAME`` asks for, for a target of ``config``.
+
+    ``scripted``: proposes ``script[rid]`` (e.g. the plain greedy run's own tokens).
+    ``mtp``: the target's MTP depth; ``weights`` (an iterable of checkpoint (name, tensor))
+    fills it, else random weights from ``seed`` (tiny random targets have none).
+    Raises before any step: an unknown name, a target without MTP layers, a drafter
+    pagedkv does not implement yet."""
+    from pagedkv.errors import UnsupportedCapabilityError
+
+    if name not in DRAFTERS:
+        raise InvalidArgumentError(f"--draft must be one of {', '.join(DRAFTERS)}, got {name!r}")
+    if name == "scripted":
+        return ScriptedDrafter(script or {})
+    if name == "mtp":
+        from pagedkv.modeling.drafters.mtp import DeepseekMTP
+
+        torch.manual_seed(seed)
+        module = DeepseekMTP(config)  # ConfigError without num_nextn_predict_layers
+        if weights is not None:
+            module.load_weights(weights)
+        else:
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+        return MTPDrafter(module.eval())
+    raise UnsupportedCapabilityError(
+        f"--draft {name} is not implemented in pagedkv yet (mtp and scripted are)")

@@ -131,8 +131,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, self.model.rotary_emb, ctx)
-        self.last_hidden = x  # pre-norm hidden states: what an MTP drafter consumes
-        return self.model.norm(x)
+        self.last_hidden = self.model.norm(x)  # the rows an MTP drafter reads
+        return self.last_hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

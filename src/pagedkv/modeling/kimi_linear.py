@@ -173,8 +173,8 @@ class KimiLinearForCausalLM(CausalLM):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, ctx)
-        self.last_hidden = x
-        return self.model.norm(x)
+        self.last_hidden = self.model.norm(x)  # the rows a drafter reads
+        return self.last_hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
