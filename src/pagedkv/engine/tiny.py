@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.errors import UnsupportedArchitectureError
+from pagedkv.modeling.registry import model_class
 from pagedkv.models import load_config
 
 # sizes a tiny model takes wherever its config has the field
@@ -59,12 +60,22 @@ def tiny_config(name: str) -> Any:
     from transformers import AutoConfig
 
     raw = load_config(name)
-    if "text_config" in raw and raw.get("model_type") == "gemma3":
+    arch = (raw.get("architectures") or ["?"])[0]
+    model_class(arch)  # no native code: refuse before building anything
+    if "text_config" in raw:
+        if raw.get("model_type") != "gemma3":
+            raise UnsupportedArchitectureError(
+                f"--tiny builds text models; {name!r} ({arch}) nests a text_config pagedkv "
+                "has no tiny recipe for")
         raw = {**raw["text_config"], "architectures": ["Gemma3ForCausalLM"]}
     cfg = {k: v for k, v in raw.items() if k not in _DROP and k != "text_config"}
     for key, value in _SMALL.items():
-        if key in cfg or key in ("head_dim",):
+        if key in cfg or key == "head_dim" and cfg.get("kv_lora_rank") is None:
             cfg[key] = value
+    if cfg.get("kv_lora_rank") is not None:  # MLA: every head reads the one latent
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if any(k in cfg for k in ("n_routed_experts", "num_experts", "num_local_experts")):
+        cfg.update(n_group=1, topk_group=1)  # expert groups must divide the 4 tiny experts
     if cfg.get("sliding_window"):
         cfg["sliding_window"] = min(int(cfg["sliding_window"]), _WINDOW)
     cfg.update(_layers(raw))
