@@ -103,3 +103,9 @@ def test_checkpoint_folder_verifies(cli, tmp_path, capsys):
 def test_bad_device_exits_2(cli):
     res = cli("generate", "--tiny", "llama-3-8b", "--device", "tpu")
     assert res.code == 2 and res.err.startswith("pagedkv: error: --device")
+
+
+def test_tiny_without_native_code_exits_2(cli):
+    res = cli("generate", "--tiny", "jamba-v0.1")
+    assert res.code == 2 and res.err.count("\n") == 1
+    assert "JambaForCausalLM" in res.err and "no native model code" in res.err
