@@ -23,6 +23,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import sample
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestError, RequestTooLargeError
+from pagedkv.kvspec import LayerSpec
 from pagedkv.modeling.base import AttentionBackend, reference_attention
 from pagedkv.plan import PlanOptions, make_plan
 
@@ -87,7 +88,7 @@ class Engine:
         if self.max_model_len is None:
             raise InvalidArgumentError("max_model_len is unknown: the config has no "
                                        "max_position_embeddings; pass EngineOptions.max_model_len")
-        self.specs = type(self.model).layer_specs(self.config)
+        self.specs = self.layer_specs()
         plan_bytes = options.kv_cache_bytes
         if self.dtype == torch.float32:  # the planner sizes 16-bit KV; fp32 takes twice that
             plan_bytes //= 2
@@ -114,6 +115,10 @@ class Engine:
         self.logits: dict[object, list[tuple[int, torch.Tensor]]] = {}
         self.steps = 0
         self.tokens_generated = 0
+
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Every layer the plan must hold: the model's (subclasses add a drafter's)."""
+        return type(self.model).layer_specs(self.config)
 
     # --- requests --------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
