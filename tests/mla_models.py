@@ -51,3 +51,13 @@ def tiny_kimi_linear(seed: int = 0, q_lora: int | None = None):
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.2)
     return model
+
+
+def random_mtp(config, seed: int = 5):
+    """The MTP depth of a DeepSeek-V3 config with random weights (transformers has none)."""
+    from pagedkv.modeling.drafters.mtp import DeepseekMTP
+
+    torch.manual_seed(seed)
+    mtp = DeepseekMTP(config)
+    randomize_(mtp, seed, scale=0.3)
+    return mtp.eval()

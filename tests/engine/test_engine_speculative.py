@@ -126,3 +126,25 @@ def test_rejection_sampling_keeps_the_target_distribution(draft_probs):
     expected = p[0] * trials
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 18.47  # chi-square, 4 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("every", [None, 1])
+def test_kimi_linear_target_rolls_its_state_back(every):
+    """A recurrent (KDA) + MLA target: rejected drafts advanced the state slots during the
+    verify pass; after the rollback the output equals plain greedy, every kept logit row
+    equals transformers', and a later request hitting the recurrent checkpoints too."""
+    from mla_models import tiny_kimi_linear
+
+    hf = tiny_kimi_linear(seed=4)
+    v = hf.config.vocab_size
+    ps = prompts(v, (6, 11), seed=14)
+    want = [hf_greedy(hf, p, NEW) for p in ps]
+    engine = _spec_run(hf, ps, {i: _corrupt(w, 3, v) for i, w in enumerate(want)}, k=3,
+                       recurrent_checkpoint_every=every)
+    assert [o.token_ids for o in engine.outputs] == want
+    assert 0 < engine.stats.accepted < engine.stats.drafted
+    turn = ps[1] + engine.outputs[1].token_ids
+    run(hf, [turn + [5, 6]], options(), new=3, engine=engine)
+    if every:
+        assert engine.requests[engine.outputs[2].rid].hit_tokens >= 16
+    assert max_logit_diff(hf, engine) <= 1e-4

@@ -54,6 +54,8 @@ class ModelRunner:
             g.id: [t for name in g.layer_names for t in self.caches.get(name, {}).values()]
             for g in plan.groups}
         self.attn_groups = [g for g in plan.groups if not g.is_recurrent]
+        # set by engine.speculative, which restores recurrent states after a verify pass
+        self.recurrent_drafts_rolled_back = False
         self.recurrent_groups = [g for g in plan.groups if g.is_recurrent]
         if shuffle_seed is not None:  # tests: block placement must not matter
             rng = random.Random(shuffle_seed)
@@ -94,7 +96,9 @@ class ModelRunner:
             ids += [int(t) for t in drafts.get(c.request.rid, ())]
             pos += range(c.num_computed, c.num_computed + c.num_new_tokens + k)
         meta = build_metadata(reqs, self.attn_groups, device=self.device)
-        batches = {g.id: RecurrentBatch.build(reqs, g.id, copy_ops) for g in self.recurrent_groups}
+        batches = {g.id: RecurrentBatch.build(reqs, g.id, copy_ops,
+                                              drafts_rolled_back=self.recurrent_drafts_rolled_back)
+                   for g in self.recurrent_groups}
         ctx = ForwardContext(self.layer_group, self.specs, meta, self.caches, batches=batches,
                              requests=tuple(reqs), copy_ops=tuple(copy_ops),
                              backend=self.backend)

@@ -205,6 +205,20 @@ class StateRollback:
         tables = self.engine.manager.block_tables(rid)
         return [tables[i][0] for i, _ in self.groups]
 
+    def reachable(self, ops: Sequence[Any], chunks: Sequence[Chunk],
+                  drafts: Mapping[object, Sequence[int]]) -> list[Any]:
+        """Drop checkpoint saves the step cannot reach: the scheduler reserved them for
+        every lookahead slot, a request drafted fewer (the block manager drops a save
+        past the committed tokens at commit)."""
+        end: dict[tuple[int, int], int] = {}
+        for c in chunks:
+            stop = c.num_computed + c.num_new_tokens + len(drafts.get(c.request.rid, ()))
+            for gi, _ in self.groups:
+                gid = self.engine.runner.gids[gi]
+                end[(gid, self.engine.manager.block_tables(c.request.rid)[gi][0])] = stop
+        return [op for op in ops if op.kind != "save"
+                or op.position <= end.get((op.group_id, op.src), op.position)]
+
     def save(self, rids: Sequence[object]) -> None:
         self.saved = {rid: [[t[slot].clone() for t in tensors] for (_, tensors), slot
                             in zip(self.groups, self._slots(rid))] for rid in rids}
@@ -256,6 +270,7 @@ class SpeculativeEngine(Engine):
         drafts = {rid: list(p.tokens) for rid, p in proposals.items() if p.tokens}
         if self.rollback.needed:
             self.rollback.save(list(drafts))
+            ops = self.rollback.reachable(ops, plan.chunks, drafts)
         redo: dict[object, tuple[Chunk, int]] = {}
         out = self.runner.execute(plan.chunks, ops, all_rows=self.options.record_logits,
                                   drafts=drafts)
@@ -349,8 +364,6 @@ class MTPDrafter:
             raise IncompatibleLayersError(
                 f"MTP layer latent layout {getattr(mine, 'layout', None)} does not match the "
                 f"target's {target[0].layout if target else None}")
-        if engine.runner.layer_group[name] != engine.runner.layer_group[target[0].name]:
-            raise IncompatibleLayersError("the MTP layer is not in the target's block table")
         self.module.to(device=engine.device, dtype=engine.dtype)
 
     def observe(self, engine: Engine, rid: object, start: int,
@@ -428,7 +441,8 @@ class MTPDrafter:
         for rid, first, toks, h in rows:
             tables = engine.manager.block_tables(rid)
             blocks = {runner.gids[i]: list(t) for i, t in enumerate(tables)}
-            reqs.append(ScheduledRequest(rid, first, len(toks), blocks))
+            # the layer's position_offset (1): token p + 1's row writes KV position p
+            reqs.append(ScheduledRequest(rid, first + 1, len(toks), blocks))
             ids += list(toks)
             pos += range(first, first + len(toks))
             hid.append(h)

@@ -61,11 +61,15 @@ class RecurrentBatch:
         requests: Sequence[ScheduledRequest],
         group_id: int,
         copy_ops: Iterable[CopyOp] = (),
+        *,
+        drafts_rolled_back: bool = False,
     ) -> RecurrentBatch:
         """Segments of ``requests`` (rows packed in order) for group ``group_id``.
 
         ``copy_ops`` are the step's ops from ``KVCacheManager.drain_copy_ops``; the
         ``save`` ops of this group say where, besides the end, a state must be kept.
+        ``drafts_rolled_back``: the caller restores the slots of requests with draft
+        tokens after verification (``engine.speculative``), so drafts may run here.
         """
         saves: dict[int, list[tuple[int, int]]] = {}
         for op in copy_ops:
@@ -79,7 +83,7 @@ class RecurrentBatch:
             if n == 0:
                 per_request.append([])
                 continue
-            if req.num_draft_tokens:
+            if req.num_draft_tokens and not drafts_rolled_back:
                 raise UnsupportedCapabilityError(
                     f"request {req.req_id!r} carries {req.num_draft_tokens} draft tokens in "
                     f"recurrent group {group_id}: a rejected draft would have advanced the "
