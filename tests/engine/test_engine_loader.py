@@ -81,3 +81,14 @@ def test_folder_tokenizer_takes_text(saved):
     assert out.prompt_token_ids == [1, 2, 3, 4]
     assert out.token_ids == hf_greedy(hf, [1, 2, 3, 4], 3)
     assert out.text == engine.tokenizer.decode(out.token_ids)
+
+
+def test_generation_config_eos_stops_generation(saved):
+    hf, folder = saved("llama-3-8b")
+    (p,) = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    free = hf_greedy(hf, p, 6)
+    k = next(i for i in range(1, 6) if free[i] not in free[:i])
+    hf.generation_config.eos_token_id = [free[k]]  # a later greedy token is an EOS now
+    hf.generation_config.save_pretrained(folder)
+    out = Engine(folder, options(record_logits=False)).generate([p], SamplingParams(max_new_tokens=6))[0]
+    assert out.token_ids == free[: k + 1] and out.finish_reason == "stop"

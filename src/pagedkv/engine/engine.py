@@ -22,7 +22,13 @@ from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import sample
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestError, RequestTooLargeError
+from pagedkv.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    PagedKVError,
+    RequestError,
+    RequestTooLargeError,
+)
 from pagedkv.kvspec import LayerSpec
 from pagedkv.modeling.base import AttentionBackend, reference_attention
 from pagedkv.plan import PlanOptions, make_plan
@@ -76,9 +82,11 @@ class Engine:
             self.config, self.model = load_folder(source, device=self.device, dtype=options.dtype)
             if tokenizer is None:
                 tokenizer = _folder_tokenizer(Path(source))
+            generation = _folder_generation_config(Path(source))
         else:
             self.config, self.model = from_transformers(source, device=self.device,
                                                         dtype=options.dtype)
+            generation = getattr(source, "generation_config", None)
         self.tokenizer = tokenizer
         self.dtype = next(self.model.parameters()).dtype
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -102,7 +110,7 @@ class Engine:
                                   device=self.device, kv_dtype=self.dtype,
                                   debug_nan=options.debug_nan, shuffle_seed=options.shuffle_seed,
                                   backend=options.attention_backend or reference_attention)
-        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        eos = getattr(generation, "eos_token_id", None)
         eos = eos if eos is not None else getattr(text, "eos_token_id", None)
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.scheduler = Scheduler(self.manager, max_running=options.max_running,
@@ -239,4 +247,16 @@ def _folder_tokenizer(folder: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
-        raise RequestError(f"{folder} has tokenizer files that cannot be read: {exc}") from None
+        raise CheckpointError(f"{folder} has tokenizer files that cannot be read: {exc}") from None
+
+
+def _folder_generation_config(folder: Path) -> Any:
+    """The folder's generation_config.json (its EOS ids may differ from config.json's)."""
+    if not (folder / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}/generation_config.json cannot be read: {exc}") from None

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.errors import CheckpointError
+from pagedkv.errors import CheckpointError, InvalidArgumentError
 from pagedkv.modeling.base import CausalLM
 from pagedkv.modeling.registry import architecture_of, model_class
 
@@ -84,7 +84,7 @@ def torch_dtype(name: str | torch.dtype | None, config: Any) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if key not in table:
-        raise CheckpointError(f"unsupported model dtype {name!r}; use one of {sorted(table)}")
+        raise InvalidArgumentError(f"unsupported model dtype {name!r}; use one of {sorted(table)}")
     return table[key]
 
 
