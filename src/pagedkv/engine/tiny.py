@@ -55,8 +55,9 @@ def _layers(raw: dict) -> dict:
     return out
 
 
-def tiny_config(name: str) -> Any:
-    """A transformers config of catalog model ``name`` at toy size (fp32)."""
+def tiny_config(name: str, *, mtp_layers: int = 0) -> Any:
+    """A transformers config of catalog model ``name`` at toy size (fp32); ``mtp_layers``
+    sets ``num_nextn_predict_layers`` where the config has MTP layers (0: none)."""
     from transformers import AutoConfig
 
     raw = load_config(name)
@@ -72,6 +73,8 @@ def tiny_config(name: str) -> Any:
     for key, value in _SMALL.items():
         if key in cfg or key == "head_dim" and cfg.get("kv_lora_rank") is None:
             cfg[key] = value
+    if "num_nextn_predict_layers" in cfg:
+        cfg["num_nextn_predict_layers"] = mtp_layers
     if cfg.get("kv_lora_rank") is not None:  # MLA: every head reads the one latent
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     if any(k in cfg for k in ("n_routed_experts", "num_experts", "num_local_experts")):
@@ -91,13 +94,13 @@ def tiny_config(name: str) -> Any:
             f"transformers cannot build model_type {model_type!r} of {name!r}: {exc}") from None
 
 
-def tiny_model(name: str, seed: int = 0) -> Any:
+def tiny_model(name: str, seed: int = 0, *, mtp_layers: int = 0) -> Any:
     """Random fp32 transformers model of ``tiny_config(name)``; weights are perturbed so
     that no norm weight sits at its initial value."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(name)
+    config = tiny_config(name, mtp_layers=mtp_layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)
