@@ -30,15 +30,18 @@ from pagedkv.errors import (
     RequestTooLargeError,
 )
 from pagedkv.kvspec import LayerSpec
+from pagedkv.kvspec.layout import bytes_per_request, bytes_per_token
 from pagedkv.modeling.base import AttentionBackend, reference_attention
 from pagedkv.plan import PlanOptions, make_plan
 
 GREEDY = SamplingParams()
+AUTO_REQUESTS = 4  # requests of max_model_len the default cache budget holds at once
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """``kv_cache_bytes``: cache budget (planned at the KV dtype); ``max_model_len`` None:
+    """``kv_cache_bytes``: cache budget (None: room for ``AUTO_REQUESTS`` requests of
+    ``max_model_len``); ``max_model_len`` None:
     the config's ``max_position_embeddings``. Test aids: ``debug_nan`` NaN-fills the cache
     and every free page before each step, ``shuffle_seed`` shuffles the free lists,
     ``record_logits`` keeps every computed row's logits (:attr:`Engine.logits`).
@@ -51,7 +54,7 @@ class EngineOptions:
     max_model_len: int | None = None
     max_batched_tokens: int = 256
     max_running: int = 64
-    kv_cache_bytes: int = 64 << 20
+    kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     recurrent_checkpoint_every: int | None = None
     seed: int = 0
@@ -97,9 +100,13 @@ class Engine:
             raise InvalidArgumentError("max_model_len is unknown: the config has no "
                                        "max_position_embeddings; pass EngineOptions.max_model_len")
         self.specs = self.layer_specs()
-        plan_bytes = options.kv_cache_bytes
-        if self.dtype == torch.float32:  # the planner sizes 16-bit KV; fp32 takes twice that
-            plan_bytes //= 2
+        if options.kv_cache_bytes is None:
+            plan_bytes = _room_for(self.specs, AUTO_REQUESTS, self.max_model_len,
+                                   options.max_batched_tokens)
+        else:
+            plan_bytes = options.kv_cache_bytes
+            if self.dtype == torch.float32:  # the planner sizes 16-bit KV; fp32 takes twice
+                plan_bytes //= 2
         self.plan = make_plan(self.specs, PlanOptions(
             budget_bytes=plan_bytes, max_model_len=self.max_model_len,
             block_size=options.block_size, max_batched_tokens=options.max_batched_tokens))
@@ -260,3 +267,14 @@ def _folder_generation_config(folder: Path) -> Any:
         return GenerationConfig.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}/generation_config.json cannot be read: {exc}") from None
+
+
+def _room_for(specs: Sequence[LayerSpec], requests: int, max_model_len: int,
+              step_tokens: int) -> int:
+    """Planner bytes for ``requests`` requests of ``max_model_len`` tokens (every layer
+    keeping every token: windows get slack), the step's tokens, and a quarter on top for
+    null blocks and alignment."""
+    per_token = sum(bytes_per_token(s.layout) for s in specs)
+    per_request = sum(bytes_per_request(s.layout) for s in specs)
+    need = requests * (per_token * max_model_len + per_request) + per_token * step_tokens
+    return need + need // 4 + (1 << 20)
