@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="default: the config's, at most 4096")
     parser.add_argument("--max-batched-tokens", type=positive_int, default=256, metavar="N")
     parser.add_argument("--kv-cache-mib", type=positive_int, default=256, metavar="N")
+    parser.add_argument("--draft", choices=("mtp", "dspark", "eagle3", "scripted"),
+                        help="speculative decoding with this drafter (scripted: proposes the "
+                        "plain run's own tokens); reports acceptance_rate, mean_accepted_tokens "
+                        "and, with --verify, lossless")
+    parser.add_argument("--spec-tokens", type=positive_int, metavar="K",
+                        help="draft tokens per step (default 3; needs --draft)")
     parser.set_defaults(func=run)
 
 
@@ -59,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny is not None:
         from pagedkv.engine.tiny import ByteTokenizer, tiny_model
 
-        hf = tiny_model(args.tiny, seed=args.seed).to(device)
+        hf = tiny_model(args.tiny, seed=args.seed,
+                        mtp_layers=1 if args.draft == "mtp" else 0).to(device)
         source, tokenizer = hf, ByteTokenizer()
         arch = type(hf).__name__
     else:
@@ -72,6 +79,15 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_mib << 20, seed=args.seed, record_logits=args.verify)
     if options.max_model_len is None:
         options = _capped(options, source)
+    if args.spec_tokens is not None and args.draft is None:
+        raise InvalidArgumentError("--spec-tokens needs --draft")
+    spec_options = None
+    if args.draft is not None:
+        from dataclasses import replace
+
+        spec_options = replace(options, spec_tokens=args.spec_tokens or 3,
+                               enable_prefix_caching=options.enable_prefix_caching
+                               and args.draft != "mtp")
     engine = Engine(source, options, tokenizer=tokenizer)
     arch = arch or (getattr(engine.config, "architectures", None) or ["?"])[0]
     prompts = _prompts(args, engine.vocab_size)
@@ -84,6 +100,25 @@ def run(args: argparse.Namespace) -> int:
 
         bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", file=sys.stderr,
                    disable=None)
+    plain = None
+    if spec_options is not None:
+        from pagedkv.engine.speculative import SpeculativeEngine, make_drafter
+
+        script: dict = {}  # scripted: the plain run's own tokens, filled in below
+        weights = None
+        if args.draft == "mtp" and args.model is not None:
+            from pathlib import Path
+
+            from pagedkv.engine.loader import iter_safetensors, weight_files
+
+            weights = iter_safetensors(weight_files(Path(args.model)))
+        drafter = make_drafter(args.draft, engine.config, script=script, weights=weights,
+                               seed=args.seed)
+        spec = SpeculativeEngine(source, spec_options, drafter, tokenizer=tokenizer)
+        if args.draft == "scripted" or args.verify:  # also --verify's lossless baseline
+            plain = engine.generate(prompts, sampling)
+            script.update({i: o.token_ids for i, o in enumerate(plain)})
+        engine = spec
     outputs = engine.generate(prompts, sampling, progress=bar.update if bar else None)
     if bar is not None:
         bar.close()
@@ -112,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         "match": None if diff is None else diff <= tol,
         "prefix_hit_rate": round(engine.prefix_hit_rate, 6),
         "preemptions": engine.preemptions,
+        **_speculation(args, engine, plain, outputs),
         "outputs": [{"prompt_tokens": len(o.prompt_token_ids), "token_ids": o.token_ids,
                      "text": o.text, "finish_reason": o.finish_reason} for o in outputs],
     }
@@ -124,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{arch}: {report['requests']} requests, {report['tokens_generated']} tokens in "
               f"{report['steps']} steps, prefix hit rate {report['prefix_hit_rate']:.1%}, "
               f"{report['preemptions']} preemptions")
+        if args.draft is not None:
+            print(f"speculative ({args.draft}, k={report['spec_tokens']}): acceptance rate "
+                  f"{report['acceptance_rate']:.1%}, {report['mean_accepted_tokens']:.2f} tokens "
+                  f"per verify pass, lossless {report['lossless']}")
         if diff is not None:
             verdict = "match" if report["match"] else "MISMATCH"
             print(f"verify: max |logit diff| {diff:.3g} vs transformers ({verdict}, "
@@ -133,11 +173,29 @@ def run(args: argparse.Namespace) -> int:
         i, o = failed[0]
         raise type(o.error)(f"{len(failed)} of {len(outputs)} requests failed "
                             f"(the first: prompt {i}): {o.error}")
+    if report.get("lossless") is False:
+        print("pagedkv: error: greedy output with speculation differs from greedy output "
+              "without it", file=sys.stderr)
+        return 1
     if diff is not None and not report["match"]:
         print(f"pagedkv: error: logits differ from transformers by {diff:.3g} "
               f"(tolerance {tol:g})", file=sys.stderr)
         return 1
     return 0
+
+
+def _speculation(args: argparse.Namespace, engine, plain, outputs) -> dict:  # noqa: ANN001
+    """Report keys of a speculative run: acceptance, and (--verify, greedy) lossless."""
+    if args.draft is None:
+        return {}
+    stats = engine.stats
+    lossless = None
+    if args.verify and args.temperature == 0 and plain is not None:
+        lossless = [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    return {"draft": args.draft, "spec_tokens": engine.options.spec_tokens,
+            "acceptance_rate": round(stats.acceptance_rate, 6),
+            "mean_accepted_tokens": round(stats.mean_accepted_tokens, 6),
+            "lossless": lossless}
 
 
 def _device(name: str):  # noqa: ANN202 - torch.device

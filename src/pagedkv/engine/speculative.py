@@ -243,12 +243,13 @@ class SpeculativeEngine(Engine):
     ``EngineOptions.spec_tokens`` is k, the most drafts per request per step; the
     drafter is checked against the engine before any step runs."""
 
-    def __init__(self, model: Any, options: EngineOptions, drafter: Drafter) -> None:
+    def __init__(self, model: Any, options: EngineOptions, drafter: Drafter, *,
+                 tokenizer: Any = None) -> None:
         if options.spec_tokens < 1:
             raise InvalidArgumentError(
                 f"speculative decoding needs spec_tokens >= 1, got {options.spec_tokens}")
         self.drafter = drafter
-        super().__init__(model, options)
+        super().__init__(model, options, tokenizer=tokenizer)
         self.stats = SpecStats()
         self.rollback = StateRollback(self)
         self.runner.recurrent_drafts_rolled_back = self.rollback.needed
@@ -384,6 +385,7 @@ class MTPDrafter:
             self.pending[rid] = pend
         pend.rows += list(hidden.detach())
 
+    @torch.inference_mode()
     def propose(self, engine: Engine, chunks: Sequence[Chunk],
                 k: Mapping[object, int]) -> dict[object, Proposal]:
         todo = [c for c in chunks if c.request.rid in k and c.request.rid in self.pending]
@@ -472,7 +474,7 @@ def make_drafter(name: str, config: Any, *, script: Mapping[object, Sequence[int
     if name not in DRAFTERS:
         raise InvalidArgumentError(f"--draft must be one of {', '.join(DRAFTERS)}, got {name!r}")
     if name == "scripted":
-        return ScriptedDrafter(script or {})
+        return ScriptedDrafter({} if script is None else script)
     if name == "mtp":
         from pagedkv.modeling.drafters.mtp import DeepseekMTP
 
