@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="default: the config's, at most 4096")
     parser.add_argument("--max-batched-tokens", type=positive_int, default=256, metavar="N")
-    parser.add_argument("--kv-cache-mib", type=positive_int, default=256, metavar="N")
+    parser.add_argument("--kv-cache-mib", type=positive_int, metavar="N",
+                        help="KV-cache budget (default: room for 4 requests of --max-model-len)")
     parser.add_argument("--draft", choices=("mtp", "dspark", "eagle3", "scripted"),
                         help="speculative decoding with this drafter (scripted: proposes the "
                         "plain run's own tokens); reports acceptance_rate, mean_accepted_tokens "
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     options = EngineOptions(
         device=str(device), dtype=dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, max_batched_tokens=args.max_batched_tokens,
-        kv_cache_bytes=args.kv_cache_mib << 20, seed=args.seed, record_logits=args.verify)
+        kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+        seed=args.seed, record_logits=args.verify)
     if options.max_model_len is None:
         options = _capped(options, source)
     if args.spec_tokens is not None and args.draft is None:
