@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2 and Qwen3 (with per-layer sliding windows) over pagedkv give
+"""Llama (3.1 RoPE scaling too), Mistral, Qwen2 and Qwen3 (with per-layer sliding windows) over pagedkv give
 transformers' logits at every computed position: prefill, chunked prefill, decode, prefix
 hits and preempted-then-recomputed requests, with NaN-filled free pages and shuffled
 blocks; and transformers' greedy tokens."""
@@ -22,6 +22,11 @@ def tiny(arch: str):
     if arch == "llama":
         cfg = transformers.LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)
         cls = transformers.LlamaForCausalLM
+    elif arch == "llama31":  # Llama 3.1's frequency-dependent RoPE scaling
+        rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        cfg = transformers.LlamaConfig(**SMALL, rope_parameters=rope)
+        cls = transformers.LlamaForCausalLM
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**SMALL, sliding_window=6)
         cls = transformers.MistralForCausalLM
@@ -40,8 +45,8 @@ def tiny(arch: str):
     return model
 
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
-CACHE_TOKENS = {"llama": 40, "mistral": 24, "qwen2": 40, "qwen3": 26}  # small enough to preempt
+ARCHS = ["llama", "llama31", "mistral", "qwen2", "qwen3"]
+CACHE_TOKENS = {"llama": 40, "llama31": 40, "mistral": 24, "qwen2": 40, "qwen3": 26}  # small enough to preempt
 
 
 @pytest.mark.parametrize("arch", ARCHS)
