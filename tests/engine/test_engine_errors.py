@@ -106,3 +106,14 @@ def test_abort_mid_run_leaves_the_others_exact():
     engine.outputs = [RequestOutput(r.rid, list(r.prompt), list(r.output)) for r in reqs
                       if r.finish_reason == "length"]
     assert max_logit_diff(hf, engine) <= 1e-4
+
+
+def test_saved_rotary_buffers_are_skipped():
+    from pagedkv.modeling.llama import LlamaForCausalLM
+
+    hf = tiny_model("llama-3-8b")
+    state = dict(hf.state_dict())
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)  # older checkpoints
+    native = LlamaForCausalLM(hf.config)
+    native.load_weights(state.items())
+    assert torch.equal(native.model.norm.weight, hf.model.norm.weight)

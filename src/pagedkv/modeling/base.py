@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from pagedkv.modeling.recurrent_state import RecurrentBatch
 
 Tensors = Mapping[str, torch.Tensor]
+# buffers some older checkpoints saved although every model recomputes them
+COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)
 
 
 class AttentionBackend(Protocol):
@@ -245,7 +247,7 @@ class CausalLM(nn.Module):
         params.update(dict(self.named_buffers()))
         loaded: set[str] = set()
         for name, tensor in weights:
-            target = self.weight_name(name)
+            target = None if name.endswith(COMPUTED_BUFFERS) else self.weight_name(name)
             if target is None:
                 continue
             param = params.get(target)
