@@ -71,15 +71,16 @@ def test_greedy_tokens_equal_transformers_generate():
         assert out.token_ids == hf_greedy(hf, p, 8)
 
 
-def test_multimodal_names_map_to_the_language_model():
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_multimodal_names_map_to_the_language_model(prefix):
     import torch
 
     from pagedkv.modeling.gemma3 import Gemma3ForCausalLM
 
     hf = tiny()
     model = Gemma3ForCausalLM(hf.config)
-    state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-             for k, v in hf.state_dict().items()}
+    state = {(prefix + k[len("model."):] if k.startswith("model.") else k): v
+             for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     state["model.vision_tower.patch.weight"] = torch.zeros(3)
     model.load_weights(state.items())
     emb = model.model.embed_tokens.weight

@@ -16,6 +16,7 @@ from pagedkv.modeling.base import CausalLM, ForwardContext
 from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope
 
 _MULTIMODAL = "model.language_model."
+_LEGACY = ("language_model.model.", "language_model.lm_head.")
 _SKIP = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
          "multi_modal_projector.")
 
@@ -114,4 +115,6 @@ class Gemma3ForCausalLM(CausalLM):
             return None
         if name.startswith(_MULTIMODAL):
             return "model." + name[len(_MULTIMODAL):]
+        if name.startswith(_LEGACY):  # checkpoints saved before transformers 5
+            return name[len("language_model."):]
         return name
