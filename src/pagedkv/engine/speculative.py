@@ -63,10 +63,10 @@ class Drafter(Protocol):
         """The drafter's cache-holding layers, planned together with the target's."""
         ...
 
-    def observe(self, engine: Engine, rid: object, start: int,
-                hidden: torch.Tensor | None) -> None:
-        """The target computed positions ``start ..`` of request ``rid`` for good (kept
-        rows only; ``hidden``: the target's final hidden rows, if the model keeps them)."""
+    def observe(self, engine: Engine, rid: object, start: int, rows: slice) -> None:
+        """The target computed positions ``start ..`` of request ``rid`` for good: rows
+        ``rows`` of its last forward (kept rows only). Drafters conditioned on the target
+        read its hidden states there (``model.last_hidden`` / ``model.captured``)."""
         ...
 
 
@@ -177,8 +177,7 @@ class ScriptedDrafter:
     def layer_specs(self, config: Any) -> tuple[LayerSpec, ...]:
         return ()
 
-    def observe(self, engine: Engine, rid: object, start: int,
-                hidden: torch.Tensor | None) -> None:
+    def observe(self, engine: Engine, rid: object, start: int, rows: slice) -> None:
         return None
 
 
@@ -275,7 +274,6 @@ class SpeculativeEngine(Engine):
         redo: dict[object, tuple[Chunk, int]] = {}
         out = self.runner.execute(plan.chunks, ops, all_rows=self.options.record_logits,
                                   drafts=drafts)
-        hidden = getattr(self.model, "last_hidden", None)
         row0 = 0
         sampled: dict[object, list[int]] = {}
         for chunk, rows in zip(plan.chunks, out.rows):
@@ -301,8 +299,7 @@ class SpeculativeEngine(Engine):
                     redo[rid] = (chunk, min(len(tokens), req.remaining))
             # rows past the first rejected draft saw a sequence that is not kept
             keep = chunk.num_new_tokens + (len(tokens) - 1 if tokens is not None and k else 0)
-            self.drafter.observe(self, rid, chunk.num_computed,
-                                 None if hidden is None else hidden[row0 : row0 + keep])
+            self.drafter.observe(self, rid, chunk.num_computed, slice(row0, row0 + keep))
             row0 += chunk.num_new_tokens + k
             if self.options.record_logits:
                 kept = self.logits.setdefault(rid, [])
@@ -326,6 +323,20 @@ class _Pending:
 
     start: int
     rows: list[torch.Tensor]
+
+
+def _keep_rows(pending: dict[object, _Pending], rid: object, start: int,
+               rows: torch.Tensor) -> None:
+    """Append target rows of positions ``start ..`` to ``rid``'s catch-up rows; a request
+    computed again from an earlier position (preempted, or the first time) restarts."""
+    pend = pending.get(rid)
+    if pend is None or start < pend.start:
+        pend = pending[rid] = _Pending(start, [])
+    end = pend.start + len(pend.rows)
+    if start > end:
+        raise InvalidArgumentError(
+            f"request {rid!r}: drafter catch-up gap at positions {end}..{start - 1}")
+    pend.rows = pend.rows[: start - pend.start] + list(rows.detach())
 
 
 class MTPDrafter:
@@ -367,23 +378,8 @@ class MTPDrafter:
                 f"target's {target[0].layout if target else None}")
         self.module.to(device=engine.device, dtype=engine.dtype)
 
-    def observe(self, engine: Engine, rid: object, start: int,
-                hidden: torch.Tensor | None) -> None:
-        if hidden is None:
-            raise InvalidArgumentError(
-                f"{type(engine.model).__name__} keeps no hidden states for an MTP drafter")
-        pend = self.pending.get(rid)
-        if pend is None or start != pend.start + len(pend.rows):
-            if pend is not None and start > pend.start + len(pend.rows):
-                raise InvalidArgumentError(
-                    f"request {rid!r}: MTP catch-up gap at positions "
-                    f"{pend.start + len(pend.rows)}..{start - 1}")
-            if pend is None or start < pend.start:
-                pend = _Pending(start, [])  # a (re)computed request: catch up from here
-            else:
-                pend.rows = pend.rows[: start - pend.start]
-            self.pending[rid] = pend
-        pend.rows += list(hidden.detach())
+    def observe(self, engine: Engine, rid: object, start: int, rows: slice) -> None:
+        _keep_rows(self.pending, rid, start, engine.model.last_hidden[rows])
 
     @torch.inference_mode()
     def propose(self, engine: Engine, chunks: Sequence[Chunk],

@@ -125,12 +125,20 @@ class DeepseekV3ForCausalLM(CausalLM):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.last_hidden: torch.Tensor | None = None
+        # drafters conditioned on target layers (DSpark) set the layer indices to keep;
+        # ``captured`` is then those layers' outputs, concatenated per row
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        kept = []
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, self.model.rotary_emb, ctx)
+            if i in self.capture_layers:
+                kept.append(x)
+        self.captured = torch.cat(kept, dim=-1) if kept else None
         self.last_hidden = self.model.norm(x)  # the rows an MTP drafter reads
         return self.last_hidden
 
