@@ -67,3 +67,33 @@ def test_greedy_tokens_equal_transformers_generate():
     engine = run(hf, ps, options(max_batched_tokens=6, record_logits=False), new=8)
     for out, p in zip(engine.outputs, ps):
         assert out.token_ids == hf_greedy(hf, p, 8)
+
+
+def test_mxfp4_experts_dequantize_on_load():
+    import torch
+
+    from pagedkv.errors import WeightError
+    from pagedkv.modeling.gpt_oss import GptOssForCausalLM
+
+    hf = tiny()
+    cfg = hf.config
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(0)
+    state = {k: v for k, v in hf.state_dict().items() if not k.endswith("experts.gate_up_proj")}
+    blocks = torch.randint(0, 256, (e, 2 * i, h // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (e, 2 * i, h // 32), generator=g, dtype=torch.uint8)
+    for layer in range(cfg.num_hidden_layers):
+        state[f"model.layers.{layer}.mlp.experts.gate_up_proj_blocks"] = blocks
+        state[f"model.layers.{layer}.mlp.experts.gate_up_proj_scales"] = scales
+    model = GptOssForCausalLM(cfg)
+    model.load_weights(state.items())
+    w = model.model.layers[1].mlp.experts.gate_up_proj  # [E, H, 2I]
+    fp4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    for ex, row, col in [(0, 0, 0), (3, 5, 33), (2, 63, 17)]:  # row: output unit, col: input
+        byte = int(blocks[ex, row, col // 32, (col % 32) // 2])
+        nibble = byte & 0x0F if col % 2 == 0 else byte >> 4
+        want = fp4[nibble] * 2.0 ** (int(scales[ex, row, col // 32]) - 127)
+        assert float(w[ex, col, row]) == want
+    del state["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    with pytest.raises(WeightError, match="without their pair"):
+        GptOssForCausalLM(cfg).load_weights(state.items())

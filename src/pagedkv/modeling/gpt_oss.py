@@ -7,12 +7,14 @@ layout (``gate_up_proj`` [E, H, 2I], gate and up interleaved; ``down_proj`` [E, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.errors import WeightError
 from pagedkv.modeling.base import CausalLM, ForwardContext
 from pagedkv.modeling.layers import RMSNorm, Rope
 
@@ -136,3 +138,31 @@ class GptOssForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Plain tensors, or the released MXFP4 experts (``*_blocks`` + ``*_scales``),
+        dequantized by transformers' own ``convert_moe_packed_tensors`` into this
+        model's dtype."""
+        return super().load_weights(_dequantized(weights, self.lm_head.weight.dtype))
+
+
+def _dequantized(weights: Iterable[tuple[str, torch.Tensor]],
+                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        for part in ("_blocks", "_scales"):
+            if name.endswith(part):
+                base = name[: -len(part)]
+                pair = pending.setdefault(base, {})
+                pair[part] = tensor
+                if len(pair) == 2:
+                    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+                    del pending[base]
+                    yield base, convert_moe_packed_tensors(pair["_blocks"], pair["_scales"],
+                                                           dtype=dtype)
+                break
+        else:
+            yield name, tensor
+    if pending:
+        raise WeightError(f"MXFP4 tensors without their pair: {sorted(pending)[:4]}")
