@@ -96,6 +96,7 @@ def build_model(config: Any, weights: Iterator[tuple[str, torch.Tensor]], *,
     with torch.device(device):
         model = cls(config)
     model.to(dtype=dtype)
+    model.requires_grad_(False)  # inference only
     model.load_weights(weights)
     return model.eval()
 
