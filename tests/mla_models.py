@@ -21,6 +21,7 @@ def tiny_deepseek_v3(q_lora: bool, *, yarn: bool = True, interleave: bool = True
         q_lora_rank=24 if q_lora else None, kv_lora_rank=32, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=64,
         rope_interleave=interleave, num_nextn_predict_layers=0,
+        eos_token_id=None,  # generate(min_new_tokens=...) would suppress it: plain argmax
         rope_parameters=dict(YARN) if yarn else {"rope_type": "default", "rope_theta": 10000.0},
     )
     torch.manual_seed(seed)
@@ -61,3 +62,15 @@ def random_mtp(config, seed: int = 5):
     mtp = DeepseekMTP(config)
     randomize_(mtp, seed, scale=0.3)
     return mtp.eval()
+
+
+def random_dspark(target_config, *, block_size: int = 4, layers=(0, 1), seed: int = 6, **over):
+    """A DSpark drafter with the target's MLA geometry and random weights."""
+    from pagedkv.modeling.drafters.dspark import DSparkConfig, DSparkModel
+
+    cfg = DSparkConfig.for_target(target_config, num_hidden_layers=2, block_size=block_size,
+                                  target_layer_ids=list(layers), markov_rank=8, **over)
+    torch.manual_seed(seed)
+    model = DSparkModel(cfg)
+    randomize_(model, seed, scale=0.3)
+    return model.eval()

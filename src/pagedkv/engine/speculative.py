@@ -486,3 +486,126 @@ def make_drafter(name: str, config: Any, *, script: Mapping[object, Sequence[int
         return MTPDrafter(module.eval())
     raise UnsupportedCapabilityError(
         f"--draft {name} is not implemented in pagedkv yet (mtp and scripted are)")
+
+
+class DSparkDrafter:
+    """DSpark over the target's MLA block table (:mod:`pagedkv.modeling.drafters.dspark`).
+
+    Before each verify pass: catch up the drafter layers' context K at every position the
+    target finished since the last run (from the target layers' outputs kept by
+    ``model.capture_layers``), then one block forward per request [anchor, mask x (B-1)]
+    at c .. c + B - 1 (scratch K/V in the lookahead slots), then the Markov head drafts
+    left to right. k <= B - 1."""
+
+    name = "dspark"
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.pending: dict[object, _Pending] = {}
+        self.block_log: list[tuple[object, int, torch.Tensor]] = []  # (rid, anchor pos, logits)
+
+    def layer_specs(self, config: Any) -> tuple[LayerSpec, ...]:
+        from pagedkv.models import layers_from_config
+
+        return layers_from_config(self.module.config.to_dict(), model="draft")
+
+    def check(self, engine: Engine, k: int) -> None:
+        from pagedkv.errors import IncompatibleLayersError, UnsupportedCapabilityError
+
+        b = self.module.block_size
+        if k > b - 1:
+            raise InvalidArgumentError(
+                f"--spec-tokens {k} exceeds what a DSpark block of {b} drafts ({b - 1})")
+        if engine.options.enable_prefix_caching:
+            raise InvalidArgumentError(
+                "--draft dspark runs without prefix caching (a hit gives no target hidden "
+                "states to catch the drafter's context up from); disable prefix caching")
+        runner = engine.runner
+        target = [s for s in engine.specs if s.model != "draft" and s.attention is not None
+                  and s.layout.kind == "mla_latent"]
+        if not target:
+            raise IncompatibleLayersError("a DSpark drafter needs a target with MLA layers")
+        for name in self.module.layer_names:
+            spec = runner.specs[name]
+            if spec.layout != target[0].layout:
+                raise IncompatibleLayersError(
+                    f"DSpark layer {name} caches {spec.layout}, the target's MLA layers "
+                    f"{target[0].layout}: the latent layouts must match to share a block table")
+            if runner.layer_group[name] != runner.layer_group[target[0].name]:
+                raise IncompatibleLayersError(
+                    f"DSpark layer {name} is not in the target's MLA block-table group")
+            if spec.attention is None or spec.attention.draft_block != b:
+                raise IncompatibleLayersError(
+                    f"DSpark layer {name}: its attention group plans draft blocks of "
+                    f"{getattr(spec.attention, 'draft_block', None)}, the drafter drafts {b}")
+        if engine.scheduler.lookahead < b - 1:
+            raise UnsupportedCapabilityError(
+                f"a DSpark block of {b} needs {b - 1} lookahead slots; the scheduler gives "
+                f"{engine.scheduler.lookahead}")
+        n_layers = len(getattr(engine.model.model, "layers", ()))
+        bad = [i for i in self.module.target_layer_ids if not 0 <= i < n_layers]
+        if not hasattr(engine.model, "capture_layers") or bad:
+            raise UnsupportedCapabilityError(
+                f"{type(engine.model).__name__} cannot hand DSpark the hidden states of "
+                f"layers {list(self.module.target_layer_ids)} (it has {n_layers} layers)")
+        engine.model.capture_layers = self.module.target_layer_ids
+        self.module.to(device=engine.device, dtype=engine.dtype)
+
+    def observe(self, engine: Engine, rid: object, start: int, rows: slice) -> None:
+        _keep_rows(self.pending, rid, start, engine.model.captured[rows])
+
+    def _ctx(self, engine: Engine, reqs: list) -> Any:
+        from pagedkv.batch import build_metadata
+        from pagedkv.modeling.base import ForwardContext
+
+        runner = engine.runner
+        gid = runner.layer_group[self.module.layer_names[0]]
+        group = next(g for g in runner.attn_groups if g.id == gid)
+        meta = build_metadata(reqs, [group], device=engine.device)
+        return ForwardContext(runner.layer_group, runner.specs, meta, runner.caches,
+                              causal=False, backend=runner.backend)
+
+    def _request(self, engine: Engine, rid: object, first: int, n: int) -> Any:
+        from pagedkv.batch import ScheduledRequest
+
+        tables = engine.manager.block_tables(rid)
+        return ScheduledRequest(rid, first, n, {engine.runner.gids[i]: list(t)
+                                                for i, t in enumerate(tables)})
+
+    @torch.inference_mode()
+    def propose(self, engine: Engine, chunks: Sequence[Chunk],
+                k: Mapping[object, int]) -> dict[object, Proposal]:
+        todo = [c for c in chunks if c.request.rid in k and c.request.rid in self.pending]
+        if not todo:
+            return {}
+        device = engine.device
+        ctx_rows = [(c, self.pending[c.request.rid]) for c in todo]
+        ctx_rows = [(c, p) for c, p in ctx_rows if p.rows]
+        for c, p in ctx_rows:
+            if p.start + len(p.rows) != c.num_computed:
+                raise InvalidArgumentError(
+                    f"request {c.request.rid!r}: DSpark context ends at "
+                    f"{p.start + len(p.rows)}, the step starts at {c.num_computed}")
+        if ctx_rows:
+            reqs = [self._request(engine, c.request.rid, p.start, len(p.rows)) for c, p in ctx_rows]
+            pos = [q for _, p in ctx_rows for q in range(p.start, p.start + len(p.rows))]
+            self.module.write_context(
+                torch.cat([torch.stack(p.rows) for _, p in ctx_rows]),
+                torch.tensor(pos, dtype=torch.long, device=device), self._ctx(engine, reqs))
+        b = self.module.block_size
+        reqs = [self._request(engine, c.request.rid, c.num_computed, b) for c in todo]
+        anchors = torch.tensor([engine.manager.requests[c.request.rid].tokens[c.num_computed]
+                                for c in todo], dtype=torch.long, device=device)
+        pos = torch.tensor([q for c in todo for q in range(c.num_computed, c.num_computed + b)],
+                           dtype=torch.long, device=device)
+        logits = self.module.block_logits(anchors, pos, self._ctx(engine, reqs))
+        drafts = torch.empty(len(todo), b - 1, dtype=torch.long, device=device)
+        prev = anchors
+        for i in range(b - 1):
+            row = logits[:, i] + self.module.markov_bias(prev)
+            prev = drafts[:, i] = row.argmax(-1)
+        for j, c in enumerate(todo):
+            self.block_log.append((c.request.rid, c.num_computed, logits[j]))
+            self.pending[c.request.rid] = _Pending(c.num_computed, [])
+        return {c.request.rid: Proposal(tuple(drafts[j, : k[c.request.rid]].tolist()))
+                for j, c in enumerate(todo)}
