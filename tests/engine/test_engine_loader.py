@@ -92,3 +92,29 @@ def test_generation_config_eos_stops_generation(saved):
     hf.generation_config.save_pretrained(folder)
     out = Engine(folder, options(record_logits=False)).generate([p], SamplingParams(max_new_tokens=6))[0]
     assert out.token_ids == free[: k + 1] and out.finish_reason == "stop"
+
+
+def test_bf16_caches_sit_at_the_plans_offsets():
+    hf = tiny_model("gemma-3-27b")
+    engine = Engine(hf, options(dtype="bf16"))  # NaN-filled pools, every row's logits kept
+    rank = engine.plan.ranks[0]
+    caches = engine.runner.caches
+    for pool in rank.pools:
+        views = [v for v in rank.views if v.pool == pool.id]
+        base = None
+        for v in views:
+            t = caches[v.layer][v.tensor]
+            assert t.dtype == torch.bfloat16 and tuple(t.shape) == tuple(v.shape)
+            start = t.untyped_storage().data_ptr()
+            base = start if base is None else base
+            assert start == base  # one buffer per pool
+            assert t.data_ptr() - start == v.offset
+        assert base is not None
+    out = engine.generate([[5, 6, 7, 8, 9] * 3], SamplingParams(max_new_tokens=4,
+                                                                ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    rows = torch.stack([row for _, row in engine.logits[out.rid]])
+    assert rows.shape[0] == 15 + 3 and bool(torch.isfinite(rows).all())
+    with torch.no_grad():
+        ref = hf(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0, :-1]
+    assert float((rows - ref).abs().max()) < 0.05 * float(ref.abs().max())  # bf16 vs fp32
