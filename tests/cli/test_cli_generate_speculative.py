@@ -14,7 +14,7 @@ ARGS = ("--tiny", "deepseek-v3", "--prompts", "3", "--prompt-len", "12", "--max-
         "6", "--block-size", "4", "--max-model-len", "64", "--verify", "--json")
 
 
-@pytest.mark.parametrize("draft, rate", [("scripted", 1.0), ("mtp", None)])
+@pytest.mark.parametrize("draft, rate", [("scripted", 1.0), ("mtp", None), ("dspark", None)])
 def test_speculative_generate_is_lossless(cli, draft, rate):
     res = cli("generate", *ARGS, "--draft", draft, "--spec-tokens", "3")
     assert res.code == 0, res.err
@@ -32,7 +32,8 @@ def test_speculative_generate_is_lossless(cli, draft, rate):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--tiny", "deepseek-v3", "--draft", "dspark"), "--draft dspark is not implemented"),
+    (("--tiny", "deepseek-v3", "--draft", "eagle3"), "--draft eagle3 is not implemented"),
+    (("--tiny", "llama-3-8b", "--draft", "dspark"), "needs an MLA target"),
     (("--tiny", "llama-3-8b", "--draft", "mtp"), "no MTP layers"),
     (("--tiny", "llama-3-8b", "--spec-tokens", "2"), "--spec-tokens needs --draft"),
     (("--tiny", "llama-3-8b", "--draft", "scripted", "--spec-tokens", "40",

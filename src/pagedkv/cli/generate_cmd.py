@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
         spec_options = replace(options, spec_tokens=args.spec_tokens or 3,
                                enable_prefix_caching=options.enable_prefix_caching
-                               and args.draft != "mtp")
+                               and args.draft not in ("mtp", "dspark"))
     engine = Engine(source, options, tokenizer=tokenizer)
     arch = arch or (getattr(engine.config, "architectures", None) or ["?"])[0]
     prompts = _prompts(args, engine.vocab_size)
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
             weights = iter_safetensors(weight_files(Path(args.model)))
         drafter = make_drafter(args.draft, engine.config, script=script, weights=weights,
-                               seed=args.seed)
+                               seed=args.seed, dspark_block=spec_options.spec_tokens + 1)
         spec = SpeculativeEngine(source, spec_options, drafter, tokenizer=tokenizer)
         if args.draft == "scripted" or args.verify:  # also --verify's lossless baseline
             plain = engine.generate(prompts, sampling)

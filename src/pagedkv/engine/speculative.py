@@ -457,12 +457,14 @@ DRAFTERS = ("mtp", "dspark", "eagle3", "scripted")
 
 
 def make_drafter(name: str, config: Any, *, script: Mapping[object, Sequence[int]] | None = None,
-                 weights: Any = None, seed: int = 0) -> Drafter:
+                 weights: Any = None, seed: int = 0, dspark_block: int = 4) -> Drafter:
     """The drafter ``--draft NAME`` asks for, for a target of ``config``.
 
     ``scripted``: proposes ``script[rid]`` (e.g. the plain greedy run's own tokens).
     ``mtp``: the target's MTP depth; ``weights`` (an iterable of checkpoint (name, tensor))
     fills it, else random weights from ``seed`` (tiny random targets have none).
+    ``dspark``: a random two-layer DSpark drafter with the target's MLA geometry, blocks of
+    ``dspark_block`` (no DSpark checkpoint format is read yet).
     Raises before any step: an unknown name, a target without MTP layers, a drafter
     pagedkv does not implement yet."""
     from pagedkv.errors import UnsupportedCapabilityError
@@ -484,8 +486,26 @@ def make_drafter(name: str, config: Any, *, script: Mapping[object, Sequence[int
                 for p in module.parameters():
                     p.add_(torch.randn(p.shape, generator=gen) * 0.1)
         return MTPDrafter(module.eval())
+    if name == "dspark":
+        from pagedkv.modeling.drafters.dspark import DSparkConfig, DSparkModel
+
+        if getattr(config, "kv_lora_rank", None) is None:
+            raise UnsupportedCapabilityError(
+                f"--draft dspark needs an MLA target (kv_lora_rank); "
+                f"{(getattr(config, 'architectures', None) or ['this model'])[0]} has none")
+        n = int(config.num_hidden_layers)
+        cfg = DSparkConfig.for_target(  # random weights: a drafter for tiny random targets
+            config, num_hidden_layers=2, block_size=dspark_block, markov_rank=8,
+            target_layer_ids=sorted({0, n // 2, n - 1}))
+        torch.manual_seed(seed)
+        module = DSparkModel(cfg)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+        return DSparkDrafter(module.eval())
     raise UnsupportedCapabilityError(
-        f"--draft {name} is not implemented in pagedkv yet (mtp and scripted are)")
+        f"--draft {name} is not implemented in pagedkv yet (mtp, dspark and scripted are)")
 
 
 class DSparkDrafter:
