@@ -74,3 +74,18 @@ def random_dspark(target_config, *, block_size: int = 4, layers=(0, 1), seed: in
     model = DSparkModel(cfg)
     randomize_(model, seed, scale=0.3)
     return model.eval()
+
+
+def layer_outputs(hf, seq, ids):
+    """Outputs of the target's decoder layers ``ids`` over ``seq`` (forward hooks)."""
+    kept = {}
+    hooks = [hf.model.layers[i].register_forward_hook(
+        lambda mod, args, out, i=i: kept.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in ids]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([seq]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([kept[i][0] for i in ids], dim=-1)

@@ -13,28 +13,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from engine_check import hf_greedy, max_logit_diff, options, prompts, run  # noqa: E402
-from mla_models import random_dspark, tiny_deepseek_v3, tiny_kimi_linear  # noqa: E402
+from mla_models import layer_outputs, random_dspark, tiny_deepseek_v3, tiny_kimi_linear  # noqa: E402
 
 from pagedkv.engine.speculative import DSparkDrafter, SpeculativeEngine  # noqa: E402
 from pagedkv.errors import IncompatibleLayersError, InvalidArgumentError  # noqa: E402
 
 NEW = 8
 OPTS = dict(enable_prefix_caching=False, max_batched_tokens=12)
-
-
-def layer_outputs(hf, seq, ids):
-    """Outputs of the target's decoder layers ``ids`` over ``seq`` (forward hooks)."""
-    kept = {}
-    hooks = [hf.model.layers[i].register_forward_hook(
-        lambda mod, args, out, i=i: kept.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-        for i in ids]
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([seq]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.cat([kept[i][0] for i in ids], dim=-1)
 
 
 def dense_block_logits(hf, drafter, seq, c):

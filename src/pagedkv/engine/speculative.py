@@ -367,15 +367,15 @@ class MTPDrafter:
 
         if engine.options.enable_prefix_caching:
             raise InvalidArgumentError(
-                "--draft mtp runs without prefix caching (a hit gives no target hidden "
-                "states for the MTP layer to catch up from); disable prefix caching")
+                f"--draft {self.name} runs without prefix caching (a hit gives no target "
+                "hidden states for the drafter to catch up from); disable prefix caching")
         name = "draft.layers.0.self_attn"
         mine = engine.runner.specs.get(name)
         target = [s for s in engine.specs if s.model != "draft" and s.attention is not None]
         if mine is None or not target or mine.layout != target[0].layout:
             raise IncompatibleLayersError(
-                f"MTP layer latent layout {getattr(mine, 'layout', None)} does not match the "
-                f"target's {target[0].layout if target else None}")
+                f"{self.name} drafter layer layout {getattr(mine, 'layout', None)} does not "
+                f"match the target's {target[0].layout if target else None}")
         self.module.to(device=engine.device, dtype=engine.dtype)
 
     def observe(self, engine: Engine, rid: object, start: int, rows: slice) -> None:
@@ -486,6 +486,19 @@ def make_drafter(name: str, config: Any, *, script: Mapping[object, Sequence[int
                 for p in module.parameters():
                     p.add_(torch.randn(p.shape, generator=gen) * 0.1)
         return MTPDrafter(module.eval())
+    if name == "eagle3":
+        from pagedkv.modeling.drafters.eagle3 import Eagle3Model, default_layers
+
+        if getattr(config, "kv_lora_rank", None) is not None:
+            raise UnsupportedCapabilityError("--draft eagle3 drafts for GQA targets (Llama "
+                                             "family); use mtp or dspark for MLA targets")
+        torch.manual_seed(seed)
+        module = Eagle3Model(config, default_layers(int(config.num_hidden_layers)))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+        return Eagle3Drafter(module.eval())
     if name == "dspark":
         from pagedkv.modeling.drafters.dspark import DSparkConfig, DSparkModel
 
@@ -505,7 +518,42 @@ def make_drafter(name: str, config: Any, *, script: Mapping[object, Sequence[int
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
         return DSparkDrafter(module.eval())
     raise UnsupportedCapabilityError(
-        f"--draft {name} is not implemented in pagedkv yet (mtp, dspark and scripted are)")
+        f"--draft {name} is not implemented in pagedkv")
+
+
+class Eagle3Drafter(MTPDrafter):
+    """EAGLE-3 (:mod:`pagedkv.modeling.drafters.eagle3`) for a Llama-family target: the
+    MTP catch-up and chaining, with the target's low/middle/high layer outputs (taken by
+    forward hooks on the target's decoder layers) as the feature."""
+
+    name = "eagle3"
+
+    def __init__(self, module: Any) -> None:
+        super().__init__(module)
+        self._aux: dict[int, torch.Tensor] = {}
+
+    def layer_specs(self, config: Any) -> tuple[LayerSpec, ...]:
+        from pagedkv.models import layers_from_config
+
+        return layers_from_config(self.module.layer_config(), model="draft")
+
+    def check(self, engine: Engine, k: int) -> None:
+        from pagedkv.errors import UnsupportedCapabilityError
+
+        super().check(engine, k)
+        layers = getattr(getattr(engine.model, "model", None), "layers", None)
+        ids = self.module.target_layer_ids
+        if layers is None or not all(0 <= i < len(layers) for i in ids):
+            raise UnsupportedCapabilityError(
+                f"EAGLE-3 reads target layers {list(ids)}; {type(engine.model).__name__} "
+                f"has {0 if layers is None else len(layers)} decoder layers")
+        for i in ids:
+            layers[i].register_forward_hook(
+                lambda mod, args, out, i=i: self._aux.__setitem__(i, out))
+
+    def observe(self, engine: Engine, rid: object, start: int, rows: slice) -> None:
+        feats = torch.cat([self._aux[i] for i in self.module.target_layer_ids], dim=-1)
+        _keep_rows(self.pending, rid, start, feats[rows])
 
 
 class DSparkDrafter:
