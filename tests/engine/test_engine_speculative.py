@@ -148,3 +148,43 @@ def test_kimi_linear_target_rolls_its_state_back(every):
     if every:
         assert engine.requests[engine.outputs[2].rid].hit_tokens >= 16
     assert max_logit_diff(hf, engine) <= 1e-4
+
+
+def test_sampled_speculation_keeps_the_target_distribution():
+    """Through the engine: 200 seeded requests, temperature 1, a scripted draft for the
+    second token; its marginal equals sum_t1 p(t1) p(t2 | t1) from transformers
+    (chi-square over a 6-token vocabulary, p = 0.001)."""
+    import transformers
+
+    from pagedkv.engine import SamplingParams
+
+    cfg = transformers.LlamaConfig(vocab_size=6, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(40)  # spread the next-token distributions out
+    prompt = [1, 4, 2]
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        p2 = torch.stack([torch.softmax(hf(torch.tensor([prompt + [t]])).logits[0, -1].double(), -1)
+                          for t in range(6)])
+    expected_p = p1 @ p2
+    n = 200
+    drafter = ScriptedDrafter({i: [0, 3, 3] for i in range(n)})
+    opts = options(spec_tokens=1, max_batched_tokens=256, kv_cache_bytes=1 << 22,
+                   record_logits=False, debug_nan=False, checked=False)
+    engine = SpeculativeEngine(hf, opts, drafter)
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
+              for i in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    counts = torch.zeros(6, dtype=torch.float64)
+    for o in outs:
+        counts[o.token_ids[1]] += 1
+    assert 0 < engine.stats.accepted < engine.stats.drafted
+    keep = expected_p * n >= 5
+    expected = expected_p[keep] * n
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    limits = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+    assert chi2 < limits[int(keep.sum()) - 1]
