@@ -89,3 +89,20 @@ def layer_outputs(hf, seq, ids):
         for h in hooks:
             h.remove()
     return torch.cat([kept[i][0] for i in ids], dim=-1)
+
+
+def tiny_deepseek_v2(q_lora: bool, topk_method: str = "group_limited_greedy", seed: int = 0):
+    """DeepSeek-V2: softmax router (greedy or group-limited), rope on interleaved pairs."""
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, routed_scaling_factor=1.5, topk_method=topk_method,
+        q_lora_rank=24 if q_lora else None, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=64, eos_token_id=None,
+        rope_parameters=dict(YARN),
+    )
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV2ForCausalLM(cfg).eval()
+    randomize_(model, seed + 1)
+    return model

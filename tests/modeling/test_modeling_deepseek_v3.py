@@ -52,3 +52,15 @@ def test_per_expert_checkpoint_names_load(tmp_path):
     a, = prompts(hf.config.vocab_size, (9,), seed=6)
     engine = run(str(tmp_path), [a], options(), new=3)
     assert max_logit_diff(hf, engine) <= 1e-4
+
+
+@pytest.mark.parametrize("q_lora, method", [(True, "group_limited_greedy"), (False, "greedy")])
+def test_deepseek_v2_logits_and_greedy(q_lora, method):
+    from mla_models import tiny_deepseek_v2
+
+    hf = tiny_deepseek_v2(q_lora, method)
+    ps = prompts(hf.config.vocab_size, (13, 6), seed=7)
+    engine = run(hf, ps, options(max_batched_tokens=8), new=5)
+    assert max_logit_diff(hf, engine) <= 1e-4
+    for out, p in zip(engine.outputs, ps):
+        assert out.token_ids == hf_greedy(hf, p, 5)

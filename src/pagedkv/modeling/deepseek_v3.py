@@ -24,22 +24,35 @@ from pagedkv.modeling.mla import MLAAttention, MLARope
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
 
 
+def num_experts(config: Any) -> int:
+    """Routed experts (``n_routed_experts``; Kimi: ``num_experts``)."""
+    return int(getattr(config, "n_routed_experts", None) or config.num_local_experts)
+
+
 class TopkRouter(nn.Module):
-    """Sigmoid scores + correction bias, best ``topk_group`` groups, top-k experts."""
+    """DeepSeek-V3: sigmoid scores + correction bias, best ``topk_group`` groups (by their
+    top-2 sum), top-k experts, optionally renormalised. DeepSeek-V2 (``v2``): softmax
+    scores, top-k over all experts (``greedy``) or over the best groups by their maximum
+    (``group_limited_greedy``), never renormalised."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        e = config.num_local_experts
+        e = num_experts(config)
+        self.v2 = config.model_type == "deepseek_v2"
         self.weight = nn.Parameter(torch.zeros(e, config.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(e))
+        if not self.v2:
+            self.register_buffer("e_score_correction_bias", torch.zeros(e))
         self.top_k = config.num_experts_per_tok
         self.groups = config.n_group or 1
         self.topk_group = config.topk_group or 1
-        self.norm = bool(config.norm_topk_prob)
+        self.norm = bool(config.norm_topk_prob) and not self.v2
         self.factor = float(config.routed_scaling_factor)
+        self.method = getattr(config, "topk_method", None) or "greedy"
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, h] -> (weights [T, k] fp32, expert ids [T, k])."""
+        if self.v2:
+            return self._v2(F.linear(x.float(), self.weight.float()).softmax(-1))
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         t, e = choice.shape
@@ -54,6 +67,17 @@ class TopkRouter(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * self.factor, ids
 
+    def _v2(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.method == "group_limited_greedy":
+            t, e = scores.shape
+            grouped = scores.view(t, self.groups, e // self.groups)
+            best = grouped.max(-1).values.topk(self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros(t, self.groups, device=scores.device).scatter_(1, best, 1.0)
+            keep = keep[:, :, None].expand_as(grouped).reshape(t, e).bool()
+            scores = scores.masked_fill(~keep, 0.0)
+        weights, ids = scores.topk(self.top_k, dim=-1, sorted=False)
+        return weights * self.factor, ids
+
 
 class Experts(nn.Module):
     """Stacked SwiGLU experts (gate and up fused, as transformers keeps them in memory)."""
@@ -61,7 +85,7 @@ class Experts(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.act = _ACTS[config.hidden_act]
-        e, h, i = config.num_local_experts, config.hidden_size, config.moe_intermediate_size
+        e, h, i = num_experts(config), config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
 
@@ -116,7 +140,10 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    architectures = ("DeepseekV3ForCausalLM",)
+    """DeepSeek-V3, and DeepSeek-V2 (``model_type`` deepseek_v2: softmax router, rope on
+    interleaved pairs)."""
+
+    architectures = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

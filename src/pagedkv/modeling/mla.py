@@ -43,7 +43,9 @@ class MLARope(nn.Module):
             inv, factor = ROPE_INIT_FUNCTIONS[kind](config, None)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.factor = float(factor)
-        self.interleave = bool(getattr(config, "rope_interleave", False))
+        # DeepSeek-V2 always rotates interleaved pairs (as complex numbers); V3 says so
+        self.interleave = bool(getattr(config, "rope_interleave", False)) or (
+            getattr(config, "model_type", None) == "deepseek_v2")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, P] rotated at positions [T] (interleaved pairs come out de-interleaved,

@@ -24,6 +24,7 @@ _NATIVE: dict[str, str] = {
     "Qwen3NextForCausalLM": "pagedkv.modeling.qwen3_next:Qwen3NextForCausalLM",
     "NemotronHForCausalLM": "pagedkv.modeling.nemotron_h:NemotronHForCausalLM",
     "DeepseekV3ForCausalLM": "pagedkv.modeling.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM": "pagedkv.modeling.deepseek_v3:DeepseekV3ForCausalLM",
     "KimiLinearForCausalLM": "pagedkv.modeling.kimi_linear:KimiLinearForCausalLM",
 }
 
