@@ -66,3 +66,14 @@ class IncompatibleDrafterError(ConfigError):
 class DeviceMemoryError(PagedKVError):
     """A device-memory call (CUDA virtual memory: reserve, create, map, unmap) failed; the
     message names the call, its arguments and the driver's error."""
+
+class CheckpointError(PagedKVError):
+    """A checkpoint folder cannot be read (no config.json, no weights, bad index file)."""
+
+
+class WeightError(CheckpointError):
+    """Checkpoint tensors do not match the model: missing, misshapen or unknown names."""
+
+
+class RequestError(PagedKVError, ValueError):
+    """One request is malformed (empty or out-of-vocabulary prompt, prompt too long)."""

@@ -1,4 +1,4 @@
-"""Command line: ``pagedkv plan | models | simulate``.
+"""Command line: ``pagedkv plan | models | simulate | generate``.
 
 Each subcommand lives in its own module exposing ``register(subparsers)``; the parser it
 adds sets ``func(args) -> int``. Every pagedkv error becomes one line on stderr and exit
@@ -22,12 +22,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedkv.cli import models_cmd, plan_cmd, simulate_cmd
+    from pagedkv.cli import generate_cmd, models_cmd, plan_cmd, simulate_cmd
 
     parser = _Parser(prog="pagedkv", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (plan_cmd, models_cmd, simulate_cmd):
+    for module in (plan_cmd, models_cmd, simulate_cmd, generate_cmd):
         module.register(sub)
     return parser
 

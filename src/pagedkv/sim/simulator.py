@@ -1,13 +1,11 @@
-"""Continuous batching, one discrete step at a time, through the real block manager.
+"""Continuous batching, one discrete step at a time, through the real block manager and
+the engine's own scheduler (:class:`pagedkv.engine.Scheduler`), with a "model" that does
+no arithmetic: the simulator and the engine cannot disagree on scheduling.
 
-Each step (as a scheduler would): running requests first, in arrival order — a decode
-computes its last token (plus k drafts with speculative decoding), a prefill its next
-chunk — and when a pool runs short the newest running request is preempted (recompute).
-Then waiting requests are admitted in order while the step's token budget and
-``max_running`` allow: cache lookup, then the first chunk. After the "forward" every
-scheduled request commits; a request that computed all its tokens samples one (or its
-accepted drafts and a bonus token). Acceptance is drawn per draft, stopping at the first
-rejection, from a seeded generator: a run is reproducible.
+A request that computed all its tokens samples one (its given output token, or a seeded
+pseudo-random one), or with speculative decoding its accepted drafts and a bonus token.
+Acceptance is drawn per draft, stopping at the first rejection, from a seeded generator:
+a run is reproducible.
 """
 
 from __future__ import annotations
@@ -17,7 +15,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.blocks import KVCacheManager, lookahead_tokens
+from pagedkv.blocks import KVCacheManager
+from pagedkv.engine import Request, SamplingParams, Scheduler
 from pagedkv.errors import InvalidArgumentError, RequestTooLargeError
 from pagedkv.sim.types import SimRequest
 
@@ -94,134 +93,81 @@ class SimResult:
         }
 
 
-class _Live:
-    __slots__ = ("rid", "req", "generated", "first_admit", "rng")
+class _Sampler:
+    """The "model" of one request: its given output tokens, else seeded pseudo-random ones."""
+
+    __slots__ = ("given", "rng")
 
     def __init__(self, rid: int, req: SimRequest, seed: int) -> None:
-        self.rid = rid
-        self.req = req
-        self.generated = 0
-        self.first_admit = True
+        self.given = req.output_tokens
         self.rng = random.Random(seed * 1_000_003 + rid)
 
-    def sample(self, n: int) -> list[int]:
-        given = self.req.output_tokens
-        if given is not None and self.generated + n <= len(given):
-            return list(given[self.generated:self.generated + n])
+    def sample(self, generated: int, n: int) -> list[int]:
+        given = self.given
+        if given is not None and generated + n <= len(given):
+            return list(given[generated:generated + n])
         return [self.rng.randrange(1 << 20) for _ in range(n)]
 
 
 def simulate(manager: KVCacheManager, requests: Sequence[SimRequest],
              options: SimOptions = SimOptions()) -> SimResult:
-    """Run ``requests`` to completion; the manager must be fresh (no live requests)."""
-    lookahead = lookahead_tokens(manager.groups, options.spec_tokens) if options.spec_tokens else 0
-    budget_cap = manager.max_batched_tokens
-    if options.spec_tokens and 1 + lookahead > budget_cap:
-        raise InvalidArgumentError(
-            f"a speculative step needs {1 + lookahead} tokens, over the step budget {budget_cap}"
-        )
+    """Run ``requests`` to completion through the engine's own :class:`Scheduler` with a
+    runner that does no arithmetic; the manager must be fresh (no live requests)."""
+    sched = Scheduler(manager, max_running=options.max_running, spec_tokens=options.spec_tokens)
     accept_rng = random.Random(options.seed)
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, i))
     arrivals = deque(order)
-    waiting: deque[_Live] = deque()
-    running: list[_Live] = []
+    samplers: dict[int, _Sampler] = {}
     rejected: list[str] = []
-    finished = generated = prompt_tokens = hit_tokens = 0
+    finished = generated = 0
     timeline: list[tuple[int, ...]] = []
     step = 0
     mgr = manager
-    while arrivals or waiting or running:
+    while arrivals or sched.has_work():
         if step >= options.max_steps:
             break
         while arrivals and requests[arrivals[0]].arrival_step <= step:
             i = arrivals.popleft()
             r = requests[i]
             try:
-                mgr.add_request(i, r.prompt_tokens, max_new_tokens=r.output_len)
+                sched.add(Request(i, tuple(r.prompt_tokens), SamplingParams(max_new_tokens=r.output_len)))
             except RequestTooLargeError as exc:
                 rejected.append(f"request {i}: {exc}")
                 continue
-            waiting.append(_Live(i, r, options.seed))
-        if not waiting and not running:
+            samplers[i] = _Sampler(i, r, options.seed)
+        if not sched.has_work():
             step = max(step + 1, requests[arrivals[0]].arrival_step) if arrivals else step + 1
             continue
-        budget = budget_cap
-        scheduled: list[tuple[_Live, int, bool]] = []
-        # 1) running requests, oldest first; preempt the newest when a pool is short
-        idx = 0
-        while idx < len(running) and budget > 0:
-            live = running[idx]
-            rid = live.rid
-            todo = mgr.num_tokens(rid) - mgr.num_computed(rid)
-            spec = todo == 1 and options.spec_tokens > 0 and budget >= 1 + lookahead
-            n = 1 if spec else min(todo, budget)
-            while not mgr.allocate(rid, n, lookahead if spec else 0):
-                victim = running.pop()
-                mgr.preempt(victim.rid)
-                waiting.appendleft(victim)
-                if victim is live:
-                    break
-            else:
-                scheduled.append((live, n, spec))
-                budget -= n + (lookahead if spec else 0)
-                idx += 1
-                continue
-            break  # the request preempted itself: nothing older left to take from
-        # 2) admit waiting requests in order
-        while waiting and budget > 0 and len(running) < options.max_running:
-            live = waiting[0]
-            rid = live.rid
-            hit = mgr.find_cached_prefix(rid)
-            n = min(mgr.num_tokens(rid) - hit, budget)
-            if not mgr.allocate(rid, n):
-                break
-            waiting.popleft()
-            if live.first_admit:
-                live.first_admit = False
-                prompt_tokens += len(live.req.prompt_tokens)
-                hit_tokens += min(hit, len(live.req.prompt_tokens))
-            running.append(live)
-            scheduled.append((live, n, False))
-            budget -= n
+        plan = sched.schedule()
         timeline.append(tuple(mgr.blocks_used()))
         mgr.drain_copy_ops()  # what an engine runs before the forward
-        # 3) the forward is done: commit, sample, finish
-        done = []
-        for live, n, spec in scheduled:
-            rid = live.rid
-            remaining = live.req.output_len - live.generated
-            if mgr.num_computed(rid) + n < mgr.num_tokens(rid) or remaining <= 0:
-                mgr.commit(rid, n)  # a prefill chunk (or a recompute) that samples nothing
-            elif spec:
+        # the "forward": each sampling request gets its next token (or accepted drafts + 1)
+        sampled: dict[object, list[int]] = {}
+        for chunk in plan.chunks:
+            req = chunk.request
+            if not chunk.samples or req.remaining <= 0:
+                continue
+            take = 1
+            if chunk.num_lookahead:
                 accepted = 0
                 while accepted < options.spec_tokens and accept_rng.random() < options.acceptance:
                     accepted += 1
-                take = min(accepted + 1, remaining)
-                mgr.commit(rid, take, live.sample(take))
-                live.generated += take
-                generated += take
-            else:
-                mgr.commit(rid, n, live.sample(1))
-                live.generated += 1
-                generated += 1
-            if live.generated >= live.req.output_len:
-                done.append(live)
-        for live in done:
-            mgr.free(live.rid)
-            running.remove(live)
-            finished += 1
+                take = min(accepted + 1, req.remaining)
+            sampled[req.rid] = samplers[req.rid].sample(req.num_generated, take)
+            generated += take
+        finished += len(sched.update(plan, sampled))
         step += 1
     groups = []
     for gi, m in enumerate(mgr.managers):
         series = [t[gi] for t in timeline] or [0]
         groups.append(GroupStats(m.gid, m.group.retention.kind, m.pool.usable, max(series),
                                  sum(series) / len(series)))
-    for live in list(running) + list(waiting):  # cut short by max_steps
-        mgr.free(live.rid)
+    for req in list(sched.running) + list(sched.waiting):  # cut short by max_steps
+        mgr.free(req.rid)
     return SimResult(
         requests_total=len(requests), requests_finished=finished,
         requests_rejected=len(rejected), steps=step, generated_tokens=generated,
-        prompt_tokens=prompt_tokens, hit_tokens=hit_tokens, preemptions=mgr.preemptions,
-        leaked_blocks=sum(mgr.blocks_used()), groups=tuple(groups), timeline=tuple(timeline),
-        rejected_reasons=tuple(rejected[:20]),
+        prompt_tokens=sched.prompt_tokens, hit_tokens=sched.hit_tokens,
+        preemptions=mgr.preemptions, leaked_blocks=sum(mgr.blocks_used()),
+        groups=tuple(groups), timeline=tuple(timeline), rejected_reasons=tuple(rejected[:20]),
     )

@@ -1,0 +1,122 @@
+"""Build a native model from a Hugging Face checkpoint folder or an in-memory transformers
+model: config, architecture -> class (:mod:`pagedkv.modeling.registry`), weights.
+
+Folders: ``config.json`` plus ``model.safetensors``, or shards listed by
+``model.safetensors.index.json`` (``weight_map``), or every ``*.safetensors`` file. Tensors
+stream shard by shard and convert to the model's dtype as they are copied.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.errors import CheckpointError, InvalidArgumentError
+from pagedkv.modeling.base import CausalLM
+from pagedkv.modeling.registry import architecture_of, model_class
+
+INDEX = "model.safetensors.index.json"
+
+
+def read_config(folder: Path) -> Any:
+    """The folder's transformers config (CheckpointError without a readable config.json)."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} has no config.json")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{folder}/config.json cannot be read: {exc}") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """Safetensors files of the checkpoint, in index order (CheckpointError if none)."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index: {exc}") from None
+        files = list(dict.fromkeys(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are absent: {missing[:4]}")
+        return [folder / f for f in files]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path} cannot be read: {exc}") from None
+
+
+def torch_dtype(name: str | torch.dtype | None, config: Any) -> torch.dtype:
+    """The dtype asked for, else the config's (float32 when it names none)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        text = getattr(config, "get_text_config", None)
+        if name is None and text is not None:
+            name = getattr(text(), "dtype", None)
+        if name is None:
+            return torch.float32
+        if isinstance(name, torch.dtype):
+            return name
+    key = str(name).removeprefix("torch.")
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if key not in table:
+        raise InvalidArgumentError(f"unsupported model dtype {name!r}; use one of {sorted(table)}")
+    return table[key]
+
+
+def build_model(config: Any, weights: Iterator[tuple[str, torch.Tensor]], *,
+                device: torch.device, dtype: torch.dtype,
+                architecture: str | None = None) -> CausalLM:
+    """Native model of ``config``'s architecture on ``device`` in ``dtype``, weights loaded."""
+    cls = model_class(architecture or architecture_of(config))
+    with torch.device(device):
+        model = cls(config)
+    model.to(dtype=dtype)
+    model.requires_grad_(False)  # inference only
+    model.load_weights(weights)
+    return model.eval()
+
+
+def load_folder(folder: str | Path, *, device: torch.device,
+                dtype: str | torch.dtype | None = None) -> tuple[Any, CausalLM]:
+    folder = Path(folder)
+    config = read_config(folder)
+    model_class(architecture_of(config))  # unsupported architectures fail before reading
+    files = weight_files(folder)
+    dt = torch_dtype(dtype, config)
+    return config, build_model(config, iter_safetensors(files), device=device, dtype=dt)
+
+
+def from_transformers(hf_model: Any, *, device: torch.device,
+                      dtype: str | torch.dtype | None = None) -> tuple[Any, CausalLM]:
+    """Native twin of an in-memory transformers model (its state dict as the checkpoint)."""
+    config = hf_model.config
+    dt = torch_dtype(dtype, config) if dtype is not None else next(hf_model.parameters()).dtype
+    arch = (getattr(config, "architectures", None) or [type(hf_model).__name__])[0]
+    state = hf_model.state_dict()
+    return config, build_model(config, iter(state.items()), device=device, dtype=dt,
+                               architecture=arch)

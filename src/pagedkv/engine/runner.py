@@ -1,0 +1,142 @@
+"""One forward of a scheduled step: copy ops, metadata, the model, logits.
+
+The runner owns the cache tensors (allocated from the plan's views) and follows the
+contract of :mod:`pagedkv.modeling.base`: before the forward it applies the step's
+``copy`` ops (partial prefix-hit pages) and ``restore`` ops (recurrent checkpoints), then
+builds one metadata object per attention group and the recurrent segments, and calls the
+model with the step's rows packed request after request.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.batch import ScheduledRequest, build_metadata
+from pagedkv.blocks import CopyOp, KVCacheManager
+from pagedkv.engine.cache import allocate_caches
+from pagedkv.engine.scheduler import Chunk
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.kvspec import LayerSpec
+from pagedkv.modeling.base import AttentionBackend, CausalLM, ForwardContext, reference_attention
+from pagedkv.modeling.recurrent_state import RecurrentBatch, apply_restores
+from pagedkv.ops import fill_nan_
+from pagedkv.plan.types import Plan
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Logits of the rows asked for: ``rows[i]`` are chunk i's rows in ``logits``."""
+
+    logits: torch.Tensor  # float32 [rows, vocab]
+    rows: tuple[range, ...]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, plan: Plan, specs: Sequence[LayerSpec],
+                 manager: KVCacheManager, *, device: torch.device, kv_dtype: torch.dtype,
+                 debug_nan: bool = False, shuffle_seed: int | None = None,
+                 backend: AttentionBackend = reference_attention) -> None:
+        self.model = model
+        self.backend = backend
+        self.plan = plan
+        self.mgr = manager
+        self.device = device
+        self.debug_nan = debug_nan
+        self.specs = {s.name: s for s in specs}
+        self.layer_group = {name: g.id for g in plan.groups for name in g.layer_names}
+        self.gids = [m.gid for m in manager.managers]
+        self.caches = allocate_caches(plan, device=device, kv_dtype=kv_dtype, nan=debug_nan)
+        self.group_tensors = {
+            g.id: [t for name in g.layer_names for t in self.caches.get(name, {}).values()]
+            for g in plan.groups}
+        self.attn_groups = [g for g in plan.groups if not g.is_recurrent]
+        # set by engine.speculative, which restores recurrent states after a verify pass
+        self.recurrent_drafts_rolled_back = False
+        self.recurrent_groups = [g for g in plan.groups if g.is_recurrent]
+        if shuffle_seed is not None:  # tests: block placement must not matter
+            rng = random.Random(shuffle_seed)
+            for pool in manager.pools:
+                rng.shuffle(pool.free)
+
+    def scheduled(self, chunk: Chunk, num_drafts: int = 0) -> ScheduledRequest:
+        tables = self.mgr.block_tables(chunk.request.rid)
+        blocks = {self.gids[i]: list(t) for i, t in enumerate(tables)}
+        return ScheduledRequest(chunk.request.rid, chunk.num_computed,
+                                chunk.num_new_tokens + num_drafts, blocks, num_drafts)
+
+    def execute(self, chunks: Sequence[Chunk], copy_ops: Sequence[CopyOp], *,
+                all_rows: bool = False,
+                drafts: Mapping[object, Sequence[int]] | None = None) -> StepOutput:
+        """Run the step; logits for every row (``all_rows``) or each sampling chunk's last
+        row. ``drafts[rid]``: draft tokens riding on a speculative chunk (at most its
+        ``num_lookahead``), run as extra rows after its token; every row of such a chunk
+        comes back (the target's verdict on each draft and the bonus token)."""
+        if self.debug_nan:
+            self._nan_free_pages()
+        self._apply_copies(copy_ops)
+        drafts = drafts or {}
+        extra = []
+        for c in chunks:
+            k = len(drafts.get(c.request.rid, ()))
+            if k > c.num_lookahead:
+                raise InvalidArgumentError(
+                    f"request {c.request.rid!r}: {k} draft tokens but {c.num_lookahead} "
+                    "lookahead slots allocated")
+            extra.append(k)
+        reqs = [self.scheduled(c, k) for c, k in zip(chunks, extra)]
+        ids: list[int] = []
+        pos: list[int] = []
+        for c, k in zip(chunks, extra):
+            tokens = self.mgr.requests[c.request.rid].tokens
+            ids += tokens[c.num_computed : c.num_computed + c.num_new_tokens]
+            ids += [int(t) for t in drafts.get(c.request.rid, ())]
+            pos += range(c.num_computed, c.num_computed + c.num_new_tokens + k)
+        meta = build_metadata(reqs, self.attn_groups, device=self.device)
+        batches = {g.id: RecurrentBatch.build(reqs, g.id, copy_ops,
+                                              drafts_rolled_back=self.recurrent_drafts_rolled_back)
+                   for g in self.recurrent_groups}
+        ctx = ForwardContext(self.layer_group, self.specs, meta, self.caches, batches=batches,
+                             requests=tuple(reqs), copy_ops=tuple(copy_ops),
+                             backend=self.backend)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, ctx)
+            rows: list[range] = []
+            pick: list[int] = []
+            start = 0
+            for c, k in zip(chunks, extra):
+                end = start + c.num_new_tokens + k
+                if all_rows or k:
+                    want = range(start, end) if all_rows else range(end - k - 1, end)
+                else:
+                    want = range(end - 1, end) if c.samples else range(0)
+                rows.append(range(len(pick), len(pick) + len(want)))
+                pick += want
+                start = end
+            index = torch.tensor(pick, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[index]).float()
+        return StepOutput(logits, tuple(rows))
+
+    def _apply_copies(self, copy_ops: Sequence[CopyOp]) -> None:
+        by_gid = {g.id: g for g in self.plan.groups}
+        for op in copy_ops:
+            if op.kind == "copy":
+                keep = op.position % by_gid[op.group_id].block_size
+                for t in self.group_tensors[op.group_id]:
+                    t[op.dst, :keep] = t[op.src, :keep]
+        apply_restores(copy_ops, {
+            g.id: [self.caches[n] for n in g.layer_names if n in self.caches]
+            for g in self.recurrent_groups})
+
+    def _nan_free_pages(self) -> None:
+        """Debug: NaN-fill every plainly free page (no owner, no cached content)."""
+        for i, m in enumerate(self.mgr.managers):
+            pages = list(m.pool.free)
+            if pages:
+                for t in self.group_tensors[self.gids[i]]:
+                    fill_nan_(t, pages)

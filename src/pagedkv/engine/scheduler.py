@@ -1,0 +1,184 @@
+"""Continuous batching over the block manager (standard library only).
+
+Each step: running requests first, oldest first — a decode computes its last token (plus
+drafts with speculative decoding), a prefill its next chunk — and when a pool runs short
+the newest running request is preempted (its blocks freed, recomputed later, usually
+from the prefix cache). Then waiting requests are admitted in order while the step's
+token budget and ``max_running`` allow: cache lookup, then the first chunk.
+
+After the forward, :meth:`Scheduler.update` commits every scheduled request, appends the
+tokens it sampled and finishes requests (length, stop token, ``max_model_len``). The
+engine and the simulator (``pagedkv.sim``) share this class, so they schedule alike.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from pagedkv.blocks import KVCacheManager, lookahead_tokens
+from pagedkv.engine.request import FINISHED, RUNNING, WAITING, Request
+from pagedkv.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request's share of a step: ``num_new_tokens`` rows from ``num_computed``.
+    ``samples``: the rows reach the request's last known token, so it samples;
+    ``num_lookahead`` draft positions ride along on a speculative decode."""
+
+    request: Request
+    num_computed: int
+    num_new_tokens: int
+    samples: bool
+    num_lookahead: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[Chunk, ...]
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Continuous batching for one :class:`KVCacheManager` (its token budget per step)."""
+
+    def __init__(self, manager: KVCacheManager, *, max_running: int = 256,
+                 spec_tokens: int = 0, eos_token_ids: Iterable[int] = (),
+                 max_model_len: int | None = None) -> None:
+        if max_running <= 0:
+            raise InvalidArgumentError(f"max_running must be > 0, got {max_running}")
+        if spec_tokens < 0:
+            raise InvalidArgumentError(f"spec_tokens must be >= 0, got {spec_tokens}")
+        self.mgr = manager
+        self.max_running = max_running
+        self.spec_tokens = spec_tokens
+        self.lookahead = lookahead_tokens(manager.groups, spec_tokens) if spec_tokens else 0
+        if spec_tokens and 1 + self.lookahead > manager.max_batched_tokens:
+            raise InvalidArgumentError(
+                f"a speculative step needs {1 + self.lookahead} tokens, over the step budget "
+                f"{manager.max_batched_tokens}")
+        self.eos = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.prompt_tokens = 0  # prompt tokens of first admissions
+        self.hit_tokens = 0  # of which were cached
+
+    # --- requests --------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request; the manager raises RequestTooLargeError if it can never fit."""
+        self.mgr.add_request(request.rid, request.prompt,
+                             max_new_tokens=request.sampling.max_new_tokens)
+        request.status = WAITING
+        self.waiting.append(request)
+
+    def abort(self, rid: object) -> Request | None:
+        """Drop a waiting or running request (its blocks go back); None if unknown."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._finish(req, "abort")
+                    return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    # --- one step ----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        mgr = self.mgr
+        budget = mgr.max_batched_tokens
+        chunks: list[Chunk] = []
+        preempted: list[Request] = []
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            rid = req.rid
+            done, known = mgr.num_computed(rid), mgr.num_tokens(rid)
+            todo = known - done
+            spec = todo == 1 and self.spec_tokens > 0 and budget >= 1 + self.lookahead
+            n = 1 if spec else min(todo, budget)
+            look = self.lookahead if spec else 0
+            while not mgr.allocate(rid, n, look):
+                victim = self.running.pop()
+                mgr.preempt(victim.rid)
+                victim.status = WAITING
+                self.waiting.appendleft(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                chunks.append(Chunk(req, done, n, done + n == known, look))
+                budget -= n + look
+                idx += 1
+                continue
+            break  # the request preempted itself: nothing older left to take from
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            rid = req.rid
+            hit = mgr.find_cached_prefix(rid)
+            known = mgr.num_tokens(rid)
+            n = min(known - hit, budget)
+            if not mgr.allocate(rid, n):
+                break
+            self.waiting.popleft()
+            if req.first_admit:
+                req.first_admit = False
+                req.hit_tokens = min(hit, len(req.prompt))
+                self.prompt_tokens += len(req.prompt)
+                self.hit_tokens += req.hit_tokens
+            req.status = RUNNING
+            self.running.append(req)
+            chunks.append(Chunk(req, hit, n, hit + n == known))
+            budget -= n
+        return StepPlan(tuple(chunks), tuple(preempted))
+
+    def update(self, plan: StepPlan, sampled: Mapping[object, Sequence[int]]) -> list[Request]:
+        """Commit the step: ``sampled[rid]`` are the tokens a sampling request produced
+        (one, or accepted drafts plus a bonus token). Returns the requests that finished."""
+        mgr = self.mgr
+        done: list[Request] = []
+        for chunk in plan.chunks:
+            req = chunk.request
+            rid = req.rid
+            if not chunk.samples or req.remaining <= 0:
+                mgr.commit(rid, chunk.num_new_tokens)  # a prefill chunk or a recompute
+            else:
+                tokens = list(sampled[rid])[: req.remaining]
+                reason = None
+                for i, tok in enumerate(tokens):
+                    if tok in self.eos and not req.sampling.ignore_eos or (
+                            tok in req.sampling.stop_token_ids):
+                        tokens, reason = tokens[: i + 1], "stop"
+                        break
+                if self.max_model_len is not None:
+                    room = self.max_model_len - mgr.num_tokens(rid)
+                    if len(tokens) >= room:
+                        tokens, reason = tokens[:room], reason or "length"
+                computed = len(tokens) if chunk.num_lookahead else chunk.num_new_tokens
+                mgr.commit(rid, computed, tokens)
+                req.output += tokens
+                if reason is not None:
+                    req.finish_reason = reason
+            if req.finish_reason is not None or req.remaining <= 0:
+                done.append(req)
+        for req in done:
+            self.running.remove(req)
+            self._finish(req, req.finish_reason or "length")
+        return done
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.mgr.free(req.rid)
+        req.status = FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,120 @@
+"""Tiny random-weight transformers models of catalog architectures, built offline in fp32
+(``pagedkv generate --tiny``): the catalog config keeps its architecture, layer pattern,
+RoPE and masks, with every size shrunk and only as many layers as it takes to hold each
+kind of layer once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.errors import UnsupportedArchitectureError
+from pagedkv.modeling.registry import model_class
+from pagedkv.models import load_config
+
+# sizes a tiny model takes wherever its config has the field
+_SMALL = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "attention_head_dim": 16,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16,
+    "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8, "q_lora_rank": 32,
+    "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "query_pre_attn_scalar": 16, "num_nextn_predict_layers": 0,
+}
+_WINDOW = 8  # sliding windows shrink too, so that short prompts cross them
+_DROP = ("quantization_config", "_pagedkv", "torch_dtype", "dtype", "num_hidden_layers",
+         "sliding_window_pattern", "mlp_only_layers")
+
+
+def _layers(raw: dict) -> dict:
+    """Fewest layers holding every kind of layer once, with the pattern fields cut to fit."""
+    out: dict[str, Any] = {}
+    types = raw.get("layer_types")
+    pattern = raw.get("hybrid_override_pattern")
+    if raw.get("sliding_window_pattern") and not types:
+        p = int(raw["sliding_window_pattern"])
+        total = int(raw.get("num_hidden_layers", p))
+        types = ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(total)]
+    if types:
+        n = max(max(types.index(t) for t in set(types)) + 1, 2)
+        out["layer_types"] = list(types[:n])
+    elif pattern:
+        n = max(pattern.index(c) for c in set(pattern)) + 1
+        out["hybrid_override_pattern"] = pattern[:n]
+    elif raw.get("full_attention_interval"):
+        n = int(raw["full_attention_interval"])
+    elif raw.get("kv_lora_rank") is not None:
+        n = 2  # one dense, one MoE layer
+    else:
+        n = 2
+    out["num_hidden_layers"] = n
+    return out
+
+
+def tiny_config(name: str, *, mtp_layers: int = 0) -> Any:
+    """A transformers config of catalog model ``name`` at toy size (fp32); ``mtp_layers``
+    sets ``num_nextn_predict_layers`` where the config has MTP layers (0: none)."""
+    from transformers import AutoConfig
+
+    raw = load_config(name)
+    arch = (raw.get("architectures") or ["?"])[0]
+    model_class(arch)  # no native code: refuse before building anything
+    if "text_config" in raw:
+        if raw.get("model_type") != "gemma3":
+            raise UnsupportedArchitectureError(
+                f"--tiny builds text models; {name!r} ({arch}) nests a text_config pagedkv "
+                "has no tiny recipe for")
+        raw = {**raw["text_config"], "architectures": ["Gemma3ForCausalLM"]}
+    cfg = {k: v for k, v in raw.items() if k not in _DROP and k != "text_config"}
+    for key, value in _SMALL.items():
+        if key in cfg or key == "head_dim" and cfg.get("kv_lora_rank") is None:
+            cfg[key] = value
+    if "num_nextn_predict_layers" in cfg:
+        cfg["num_nextn_predict_layers"] = mtp_layers
+    if cfg.get("kv_lora_rank") is not None:  # MLA: every head reads the one latent
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if any(k in cfg for k in ("n_routed_experts", "num_experts", "num_local_experts")):
+        cfg.update(n_group=1, topk_group=1)  # expert groups must divide the 4 tiny experts
+    if cfg.get("sliding_window"):
+        cfg["sliding_window"] = min(int(cfg["sliding_window"]), _WINDOW)
+    cfg.update(_layers(raw))
+    cfg["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
+    cfg["dtype"] = "float32"
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise UnsupportedArchitectureError(f"catalog model {name!r} names no model_type")
+    try:
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as exc:
+        raise UnsupportedArchitectureError(
+            f"transformers cannot build model_type {model_type!r} of {name!r}: {exc}") from None
+
+
+def tiny_model(name: str, seed: int = 0, *, mtp_layers: int = 0) -> Any:
+    """Random fp32 transformers model of ``tiny_config(name)``; weights are perturbed so
+    that no norm weight sits at its initial value."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(name, mtp_layers=mtp_layers)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+class ByteTokenizer:
+    """Text <-> UTF-8 bytes (ids 0..255), for tiny models, which ship no tokenizer."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")

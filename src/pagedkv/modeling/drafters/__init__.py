@@ -1,0 +1,1 @@
+"""Drafter model code for speculative decoding (the draft side of ``engine.speculative``)."""

@@ -1,0 +1,168 @@
+"""gpt-oss over pagedkv: alternating sliding-window (128) and full attention layers with
+per-head attention sinks, YaRN RoPE, and a top-k MoE of clamped SwiGLU experts (a plain
+loop over the experts the step routes to). Windows come from the layer specs
+(``ctx.attend``); sinks are weights, passed along. Expert tensors use the Hugging Face
+layout (``gate_up_proj`` [E, H, 2I], gate and up interleaved; ``down_proj`` [E, I, H]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.errors import WeightError
+from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.layers import RMSNorm, Rope
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, config: Any, index: int) -> None:
+        super().__init__()
+        self.name = f"model.layers.{index}.self_attn"
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        h, bias = config.hidden_size, bool(config.attention_bias)
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(self.heads))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
+                ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k = rope(q, k, positions)
+        out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5, sinks=self.sinks)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class GptOssRouter(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(config.num_local_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(config.num_local_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], weights [T, k]): softmax over the top-k logits."""
+        top, ids = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
+
+
+class GptOssExperts(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.zeros(e, i, h))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+        self.alpha = config.swiglu_alpha
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            gate_up = x[rows] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            gate = gate_up[..., ::2].clamp(max=self.limit)
+            up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+            y = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ self.down_proj[e]
+            y = (y + self.down_proj_bias[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.router = GptOssRouter(config)
+        self.experts = GptOssExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.router(x)
+        return self.experts(x, ids, weights)
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, config: Any, index: int) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = GptOssAttention(config, index)
+        self.mlp = GptOssMLP(config)
+        self.input_layernorm = RMSNorm(h, eps, cast_after=True)
+        self.post_attention_layernorm = RMSNorm(h, eps, cast_after=True)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            GptOssDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_after=True)
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        self.rotary_emb = Rope(config, head_dim)
+
+
+class GptOssForCausalLM(CausalLM):
+    architectures = ("GptOssForCausalLM",)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.model = GptOssModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.model.rotary_emb, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Plain tensors, or the released MXFP4 experts (``*_blocks`` + ``*_scales``),
+        dequantized by transformers' own ``convert_moe_packed_tensors`` into this
+        model's dtype."""
+        return super().load_weights(_dequantized(weights, self.lm_head.weight.dtype))
+
+
+def _dequantized(weights: Iterable[tuple[str, torch.Tensor]],
+                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        for part in ("_blocks", "_scales"):
+            if name.endswith(part):
+                base = name[: -len(part)]
+                pair = pending.setdefault(base, {})
+                pair[part] = tensor
+                if len(pair) == 2:
+                    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+                    del pending[base]
+                    yield base, convert_moe_packed_tensors(pair["_blocks"], pair["_scales"],
+                                                           dtype=dtype)
+                break
+        else:
+            yield name, tensor
+    if pending:
+        raise WeightError(f"MXFP4 tensors without their pair: {sorted(pending)[:4]}")

@@ -1,0 +1,96 @@
+"""Building blocks shared by the native models: RMSNorm (plain and 1 + w), RoPE, gated MLP.
+
+RoPE frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` (llama3, yarn,
+linear... scaling), so the native models rotate exactly as the checkpoints were trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w in fp32, cast back before the weight (Llama); ``offset``: Gemma's
+    (1 + w) in fp32, cast after; ``cast_after``: w times the fp32 value, then cast (gpt-oss)."""
+
+    def __init__(self, dim: int, eps: float, *, offset: bool = False,
+                 cast_after: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps = eps
+        self.offset = offset
+        self.cast_after = cast_after
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (y * (1.0 + self.weight.float())).type_as(x)
+        if self.cast_after:
+            return (self.weight * y).to(x.dtype)
+        return self.weight * y.to(x.dtype)
+
+
+class Rope(nn.Module):
+    """Rotate-half RoPE over the whole head; ``layer_type`` picks per-type parameters
+    (Gemma 3's local and global bases)."""
+
+    def __init__(self, config: Any, head_dim: int, layer_type: str | None = None) -> None:
+        super().__init__()
+        params = config.rope_parameters
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            params = params[layer_type]
+        else:
+            layer_type = None
+        kind = params.get("rope_type", "default")
+        if kind == "default":
+            theta = params["rope_theta"]
+            inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+            inv, scaling = ROPE_INIT_FUNCTIONS[kind](config, None, **kwargs)
+        self.register_buffer("inv_freq", inv.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hk, D] rotated at ``positions`` [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(q.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.scaling).to(q.dtype)[:, None]
+        sin = (emb.sin() * self.scaling).to(q.dtype)[:, None]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), the Llama/Gemma MLP."""
+
+    def __init__(self, hidden: int, intermediate: int, *, bias: bool = False,
+                 act: str = "silu") -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = _ACTS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+_ACTS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}

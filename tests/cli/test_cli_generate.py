@@ -1,0 +1,111 @@
+"""``pagedkv generate``: --tiny models verified against transformers, JSON keys, and every
+bad input as one line on stderr with exit status 2 (other requests still finish)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("arch", ["llama-3-8b", "gemma-3-27b", "gpt-oss-20b"])
+def test_tiny_verify_matches_transformers(cli, arch):
+    res = cli("generate", "--tiny", arch, "--prompts", "3", "--prompt-len", "12",
+              "--max-new-tokens", "5", "--block-size", "4", "--max-model-len", "64",
+              "--verify", "--json")
+    report = res.json()
+    assert {"architecture", "requests", "tokens_generated", "max_abs_logit_diff", "match",
+            "prefix_hit_rate", "preemptions"} <= set(report)
+    assert report["requests"] == 3
+    assert report["tokens_generated"] == 15
+    assert report["match"] is True
+    assert 0.0 <= report["max_abs_logit_diff"] <= 1e-4
+    assert res.err == ""  # no progress bar with --json
+
+
+def test_text_prompts_with_the_byte_tokenizer(cli):
+    res = cli("generate", "--tiny", "qwen3-8b", "--prompt", "hello", "--prompt", "pagedkv",
+              "--max-new-tokens", "3", "--json")
+    outs = res.json()["outputs"]
+    assert [o["prompt_tokens"] for o in outs] == [5, 7]
+    assert all(len(o["token_ids"]) == 3 for o in outs)
+
+
+def test_prompt_too_long_fails_alone(cli):
+    res = cli("generate", "--tiny", "llama-3-8b", "--prompt", "x" * 30, "--prompt", "hi",
+              "--max-model-len", "32", "--max-new-tokens", "4")
+    assert res.code == 2
+    assert res.err.count("\n") == 1 and res.err.startswith("pagedkv: error: 1 of 2 requests")
+    assert "max_model_len 32" in res.err
+    assert "[1] length:" in res.out  # the other request finished
+
+
+def _folder(tmp_path, capsys, arch="llama-3-8b"):
+    from pagedkv.engine.tiny import tiny_model
+
+    model = tiny_model(arch)
+    model.save_pretrained(tmp_path)
+    capsys.readouterr()  # transformers' own progress output is not ours
+    return model
+
+
+@pytest.mark.parametrize("case", ["no-config", "no-weights", "misshapen", "missing",
+                                  "architecture", "not-a-folder"])
+def test_bad_checkpoints_exit_2_with_one_line(cli, tmp_path, capsys, case):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if case == "not-a-folder":
+        target = tmp_path / "nothing-here"
+    else:
+        _folder(tmp_path, capsys)
+        target = tmp_path
+        weights = tmp_path / "model.safetensors"
+        if case == "no-config":
+            (tmp_path / "config.json").unlink()
+        elif case == "no-weights":
+            weights.unlink()
+        elif case in ("misshapen", "missing"):
+            state = load_file(weights)
+            name = "model.layers.1.mlp.up_proj.weight"
+            if case == "missing":
+                del state[name]
+            else:
+                state[name] = torch.zeros(3, 3)
+            save_file(state, weights)
+        else:
+            cfg = json.loads((tmp_path / "config.json").read_text())
+            cfg["architectures"] = ["LlamaForTokenClassification"]
+            (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res = cli("generate", "--model", target, "--prompts", "1", "--max-new-tokens", "2")
+    assert res.code == 2
+    assert res.err.startswith("pagedkv: error: ") and res.err.count("\n") == 1
+    assert "Traceback" not in res.err
+    expected = {"no-config": "config.json", "no-weights": "safetensors",
+                "misshapen": "up_proj", "missing": "up_proj",
+                "architecture": "LlamaForTokenClassification", "not-a-folder": "not a folder"}
+    assert expected[case] in res.err
+
+
+def test_checkpoint_folder_verifies(cli, tmp_path, capsys):
+    _folder(tmp_path, capsys, "mistral-7b")
+    res = cli("generate", "--model", tmp_path, "--prompts", "2", "--prompt-len", "10",
+              "--max-new-tokens", "4", "--block-size", "4", "--max-model-len", "64",
+              "--verify", "--json")
+    report = res.json()
+    assert report["architecture"] == "MistralForCausalLM"
+    assert report["match"] is True
+
+
+def test_bad_device_exits_2(cli):
+    res = cli("generate", "--tiny", "llama-3-8b", "--device", "tpu")
+    assert res.code == 2 and res.err.startswith("pagedkv: error: --device")
+
+
+def test_tiny_without_native_code_exits_2(cli):
+    res = cli("generate", "--tiny", "jamba-v0.1")
+    assert res.code == 2 and res.err.count("\n") == 1
+    assert "JambaForCausalLM" in res.err and "no native model code" in res.err

@@ -1,0 +1,85 @@
+"""Engine-level checks shared by the modeling and engine tests: run prompts through
+:class:`pagedkv.engine.Engine` (NaN-filled free pages, shuffled free lists, checked
+manager, every row's logits kept) and compare with transformers' dense forward and
+greedy ``generate``."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.engine import Engine, EngineOptions, SamplingParams
+
+TOL = 1e-4
+
+
+def randomize_(model, seed: int, scale: float = 0.1) -> None:
+    """Perturb every parameter, so that no weight sits at an initial value (norm weights
+    at 1 or 0) that would hide a wrong formula."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def budget_for(hf, tokens: int) -> int:
+    """A cache budget (engine bytes, fp32) that holds about ``tokens`` tokens in every group."""
+    from pagedkv.kvspec.layout import bytes_per_token
+    from pagedkv.models import layers_from_config
+
+    per_token = sum(bytes_per_token(s.layout) for s in layers_from_config(hf.config.to_dict()))
+    return 2 * per_token * tokens
+
+
+def options(**kw) -> EngineOptions:
+    base = dict(block_size=4, max_model_len=64, max_batched_tokens=16, kv_cache_bytes=1 << 20,
+                debug_nan=True, shuffle_seed=7, record_logits=True, checked=True)
+    base.update(kw)
+    return EngineOptions(**base)
+
+
+def run(hf, prompt_list, opts: EngineOptions, new: int = 5, engine: Engine | None = None) -> Engine:
+    """Generate ``new`` tokens for every prompt (on ``engine`` if given, else a new one);
+    the outputs of every call accumulate in ``engine.outputs``."""
+    engine = Engine(hf, opts) if engine is None else engine
+    outs = engine.generate(prompt_list, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    for out in outs:
+        if out.error is not None:
+            raise out.error
+        if len(out.token_ids) != new:
+            raise AssertionError(f"request {out.rid}: {len(out.token_ids)} tokens, wanted {new}")
+    engine.outputs = getattr(engine, "outputs", []) + outs
+    return engine
+
+
+def max_logit_diff(hf, engine: Engine) -> float:
+    """Largest |engine - transformers| over every row the engine computed (a recomputed
+    row counts every time); AssertionError naming the first row beyond TOL (NaN too)."""
+    worst = 0.0
+    for out in engine.outputs:
+        seq = out.prompt_token_ids + out.token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        rows = engine.logits[out.rid]
+        hit = engine.requests[out.rid].hit_tokens
+        if not {p for p, _ in rows} >= set(range(hit, len(seq) - 1)):
+            raise AssertionError(f"request {out.rid}: no logits for some of positions "
+                                 f"{hit}..{len(seq) - 2}")
+        for p, row in rows:
+            diff = float((row - ref[p]).abs().max())
+            if not diff <= TOL:
+                raise AssertionError(f"request {out.rid} position {p}: logits differ by {diff}")
+            worst = max(worst, diff)
+    return worst
+
+
+def hf_greedy(hf, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False, pad_token_id=0)[0].tolist()
+    return seq[len(prompt):]

@@ -1,0 +1,88 @@
+"""Gemma 3 text over pagedkv (5:1 local/global, separate RoPE bases with linear scaling on
+the global layers, final logit soft-cap) gives transformers' logits and greedy tokens;
+a multimodal checkpoint's language-model names load too."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine_check import (  # noqa: E402
+    budget_for,
+    hf_greedy,
+    max_logit_diff,
+    options,
+    prompts,
+    randomize_,
+    run,
+)
+
+
+def tiny(final_cap=3.0):
+    import torch
+
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=64,
+        sliding_window=5, query_pre_attn_scalar=20, final_logit_softcapping=final_cap,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 4.0},
+        })
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    randomize_(model, 2)
+    return model
+
+
+def test_layers_alternate_five_local_one_global():
+    from pagedkv.models import layers_from_config
+
+    specs = layers_from_config(tiny().config.to_dict())
+    assert [s.attention.window for s in specs] == [5, 5, 5, 5, 5, None]
+
+
+def test_logits_through_chunks_and_preemption():
+    hf = tiny()
+    a, b, c = prompts(96, (13, 6, 19), seed=3)
+    engine = run(hf, [a, b, c], options(kv_cache_bytes=budget_for(hf, 22), max_model_len=32,
+                                        max_batched_tokens=8), new=6)
+    assert engine.preemptions > 0
+    assert max_logit_diff(hf, engine) <= 1e-4
+
+
+def test_logits_with_prefix_hits_without_final_cap():
+    hf = tiny(final_cap=None)
+    a, b = prompts(96, (13, 6), seed=4)
+    opts = options(max_batched_tokens=8)
+    engine = run(hf, [a], opts, new=3)
+    run(hf, [a[:10] + b], opts, new=4, engine=engine)
+    assert engine.requests[engine.outputs[1].rid].hit_tokens == 8
+    assert max_logit_diff(hf, engine) <= 1e-4
+
+
+def test_greedy_tokens_equal_transformers_generate():
+    hf = tiny()
+    ps = prompts(96, (5, 11, 3), seed=5)
+    engine = run(hf, ps, options(max_batched_tokens=6, record_logits=False), new=8)
+    for out, p in zip(engine.outputs, ps):
+        assert out.token_ids == hf_greedy(hf, p, 8)
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_multimodal_names_map_to_the_language_model(prefix):
+    import torch
+
+    from pagedkv.modeling.gemma3 import Gemma3ForCausalLM
+
+    hf = tiny()
+    model = Gemma3ForCausalLM(hf.config)
+    state = {(prefix + k[len("model."):] if k.startswith("model.") else k): v
+             for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    state["model.vision_tower.patch.weight"] = torch.zeros(3)
+    model.load_weights(state.items())
+    emb = model.model.embed_tokens.weight
+    assert torch.equal(emb, hf.model.embed_tokens.weight)
+    assert model.lm_head.weight is emb  # tied
