@@ -188,3 +188,18 @@ def test_sampled_speculation_keeps_the_target_distribution():
     chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
     limits = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
     assert chi2 < limits[int(keep.sum()) - 1]
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-80b", "nemotron-h-8b"])
+def test_other_recurrent_targets_roll_back_too(name):
+    """Gated DeltaNet (Qwen3-Next) and Mamba-2 (Nemotron-H) state slots: partial
+    acceptance, checkpoints every block, output equal to plain greedy, logits exact."""
+    hf = tiny_model(name)
+    v = hf.config.vocab_size
+    ps = prompts(v, (6, 11), seed=14)
+    want = [hf_greedy(hf, p, NEW) for p in ps]
+    engine = _spec_run(hf, ps, {i: _corrupt(w, 3, v) for i, w in enumerate(want)}, k=3,
+                       recurrent_checkpoint_every=1)
+    assert [o.token_ids for o in engine.outputs] == want
+    assert 0 < engine.stats.accepted < engine.stats.drafted
+    assert max_logit_diff(hf, engine) <= 1e-4
