@@ -57,7 +57,18 @@ class Staging:
             raise RuntimeError("Staging.to called before allocate")  # programming error
         if buf.device != device:
             buf = copy_to_device(buf, device)
-        return {
-            name: buf[offset : offset + size].view(_DTYPES[dtype][1]).view(shape)
-            for name, (offset, size, dtype, shape) in self._slots.items()
-        }
+        typed = {key: buf.view(torch_dtype) for key, (_, torch_dtype) in _DTYPES.items()}
+        out = {}
+        for name, (offset, _, dtype, shape) in self._slots.items():
+            base = typed[dtype]
+            start = base.storage_offset() + offset // _DTYPES[dtype][0].itemsize
+            out[name] = base.as_strided(shape, _contiguous_strides(shape), start)
+        return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
