@@ -102,7 +102,9 @@ class AttentionView:
         both = torch.tensor(self.decode_reqs_host + self.prefill_reqs_host, dtype=torch.int32)
         device = self.metadata.seq_lens.device
         if device.type == "cuda":
-            both = both.pin_memory().to(device, non_blocking=True)
+            both = both.pin_memory()
+        if device.type != "cpu":
+            both = both.to(device, non_blocking=True)
         return both
 
     @property
