@@ -26,22 +26,24 @@ def fill_derived(
     table = host("block_table")
     nnz = host("paged_kv_indices").shape[0]
     seq = host("seq_lens")
-    seq[:n] = seq_lens
-    seq[n:] = 0
     last = host("paged_kv_last_page_len")
-    last[:n] = np.where(pages > 0, seq_lens - (pages - 1) * bs, 0)
-    last[n:] = 0
     indptr = host("paged_kv_indptr")
+    seq[:n] = seq_lens
+    last[:n] = np.where(pages > 0, seq_lens - (pages - 1) * bs, 0)
     indptr[0] = 0
     indptr[1 : n + 1] = np.cumsum(pages)
-    indptr[n + 1 :] = nnz
+    if seq.shape[0] > n:  # padding rows
+        seq[n:] = 0
+        last[n:] = 0
+        indptr[n + 1 :] = nnz
     used = np.arange(table.shape[1])[None, :] < pages[:, None]
     host("paged_kv_indices")[:] = table[:n][used]
 
     slots, positions = host("slot_mapping"), host("positions")
     m = row_req.shape[0]
-    slots[m:] = -1
-    positions[m:] = 0
+    if slots.shape[0] > m:  # padding token rows
+        slots[m:] = -1
+        positions[m:] = 0
     pos = computed[row_req] + row_in_req - group.position_offset
     if group.position_offset == 0:  # every row has a position (computed >= 0)
         block = table[row_req, pos // bs].astype(np.int64)

@@ -262,8 +262,10 @@ class MetadataBuilder:
             table = host("block_table")
             kept = min(width, ids.shape[1])
             table[:num_reqs, :kept] = ids[rows, :kept]
-            table[:num_reqs, kept:] = 0
-            table[num_reqs:] = 0
+            if kept < width:
+                table[:num_reqs, kept:] = 0
+            if num_reqs < batch:
+                table[num_reqs:] = 0
             fill_derived(host, self._tables[gid].group, seq_lens, pages, computed, row_req, row_in_req)
 
         if checked_mode(checked):
@@ -297,7 +299,10 @@ class MetadataBuilder:
 
     @staticmethod
     def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
-        arr = np.asarray(values, dtype=np.int64).reshape(-1)
+        if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+            arr = values
+        else:
+            arr = np.asarray(values, dtype=np.int64).reshape(-1)
         if arr.shape[0] != n:
             raise InvalidArgumentError(f"{name} has {arr.shape[0]} entries for {n} requests")
         if n and int(arr.min()) < 0:
