@@ -141,7 +141,7 @@ def scenario(draw):
         steps.append((sched, kwargs, {rid: [c, {g: list(i) for g, i in bl.items()}] for rid, (c, bl) in e.live.items()}))
         got = b.step([r.req_id for r in sched], [r.num_computed_tokens for r in sched],
                      np.array([r.num_new_tokens for r in sched]),
-                     [r.num_draft_tokens for r in sched], **kwargs)
+                     [r.num_draft_tokens for r in sched], checked=draw(st.booleans()), **kwargs)
         steps[-1] += (got,)
         for r in sched:  # advance; drafts may be rejected
             e.live[r.req_id][0] += r.num_new_tokens - draw(st.integers(0, r.num_draft_tokens))
