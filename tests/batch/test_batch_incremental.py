@@ -22,7 +22,7 @@ from pagedkv.kvspec import SlidingWindow  # noqa: E402
 
 ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
           "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
-NUM_BLOCKS = 500
+NUM_BLOCKS = 5000
 
 
 def groups():
@@ -55,9 +55,11 @@ class Engine:
         self.live = {}  # req_id -> [computed, {gid: [ids]}]
         self.next_id = 0
         self.preempted = []
+        self.pool = list(range(1, NUM_BLOCKS))  # block 0 stands for a freed window block
+        self.rng.shuffle(self.pool)
 
     def fresh(self, n):
-        return [self.rng.randrange(NUM_BLOCKS) for _ in range(n)]
+        return [self.pool.pop() for _ in range(n)]  # distinct: checked mode refuses shared slots
 
     def admit(self, req_id=None):
         if req_id is None:
@@ -253,3 +255,15 @@ def test_rollback_and_window_free_leave_no_stale_ids():
     meta = b.step(["a", "b"], [2, 7], [1, 1])[0]
     assert meta.block_table.tolist() == [[11, 15, 0, 0], [0, 0, 23, 24]]
     assert meta.slot_mapping.tolist() == [30, 49]  # position 2: 15*2+0; position 7: 24*2+1
+
+
+def test_same_batch_order_after_readmission_reads_the_new_row():
+    group = make_group(0, 4)
+    b = MetadataBuilder([group], rows=3, width=2)
+    for rid, block in (("a", 1), ("b", 2), ("c", 3)):
+        b.add(rid, {0: [block]})
+    assert b.step(["a", "b"], [0, 0], [1, 1])[0].block_table.tolist() == [[1], [2]]
+    b.remove("a")
+    b.remove("c")
+    b.add("a", {0: [9]})  # preempted and back: another row, another block
+    assert b.step(["a", "b"], [0, 0], [1, 1])[0].block_table.tolist() == [[9], [2]]

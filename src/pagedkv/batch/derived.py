@@ -17,11 +17,13 @@ def fill_derived(
     seq_lens: np.ndarray,
     pages: np.ndarray,
     computed: np.ndarray,
-    row_req: np.ndarray,
-    row_in_req: np.ndarray,
+    row_req: np.ndarray | None,
+    row_in_req: np.ndarray | None,
 ) -> None:
     """Write seq_lens, last-page lengths, CSR pages, slots and positions of the ``n`` real
-    rows (``len(seq_lens)``) and zero/-1 the padding; ``host("block_table")`` is filled."""
+    rows (``len(seq_lens)``) and zero/-1 the padding; ``host("block_table")`` is filled.
+    Token row t belongs to request ``row_req[t]`` and is its ``row_in_req[t]``-th new token;
+    both None: one token row per request (a pure decode step)."""
     bs, n = group.block_size, seq_lens.shape[0]
     table = host("block_table")
     nnz = host("paged_kv_indices").shape[0]
@@ -40,11 +42,15 @@ def fill_derived(
     host("paged_kv_indices")[:] = table[:n][used]
 
     slots, positions = host("slot_mapping"), host("positions")
+    if row_req is None or row_in_req is None:
+        row_req = np.arange(n)
+        pos = computed - group.position_offset
+    else:
+        pos = computed[row_req] + row_in_req - group.position_offset
     m = row_req.shape[0]
     if slots.shape[0] > m:  # padding token rows
         slots[m:] = -1
         positions[m:] = 0
-    pos = computed[row_req] + row_in_req - group.position_offset
     if group.position_offset == 0:  # every row has a position (computed >= 0)
         block = table[row_req, pos // bs].astype(np.int64)
         slots[:m] = block * bs + pos % bs

@@ -113,6 +113,10 @@ class MetadataBuilder:
         self.device = torch.device(device)
         self._tables = {g.id: _Table(g, rows, width) for g in self.groups}
         self._rows: dict[Hashable, int] = {}
+        self._version = 0  # bumped by add/remove: a cached row lookup is valid while equal
+        self._last_ids: tuple[Hashable, ...] | None = None
+        self._last_version = -1
+        self._last_rows = np.zeros(0, dtype=np.intp)
         self._free = list(range(rows - 1, -1, -1))
 
     # -- request lifecycle ---------------------------------------------------------------
@@ -144,6 +148,7 @@ class MetadataBuilder:
             self._free.append(row)
             raise
         self._rows[req_id] = row
+        self._version += 1
 
     def append_blocks(self, req_id: Hashable, block_ids: Mapping[int, Sequence[int]]) -> None:
         """Blocks newly allocated to a request, appended per group in logical order."""
@@ -167,6 +172,7 @@ class MetadataBuilder:
         for table in self._tables.values():
             table.clear(row)
         del self._rows[req_id]
+        self._version += 1
         self._free.append(row)
 
     def blocks(self, req_id: Hashable, group_id: int) -> tuple[int, ...]:
@@ -207,11 +213,16 @@ class MetadataBuilder:
         Equal to ``build_metadata`` of the same requests (block ids as the builder holds
         them) with the same keyword arguments; one host-to-device copy.
         """
-        num_reqs = len(req_ids)
-        try:
-            rows = np.fromiter(map(self._rows.__getitem__, req_ids), dtype=np.intp, count=num_reqs)
-        except KeyError as e:
-            raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
+        ids_tuple = tuple(req_ids)
+        num_reqs = len(ids_tuple)
+        if ids_tuple == self._last_ids and self._version == self._last_version:
+            rows = self._last_rows  # the same batch order as last step: no lookups
+        else:
+            try:
+                rows = np.fromiter(map(self._rows.__getitem__, ids_tuple), dtype=np.intp, count=num_reqs)
+            except KeyError as e:
+                raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
+            self._last_ids, self._last_version, self._last_rows = ids_tuple, self._version, rows
         computed = self._counts("num_computed_tokens", num_computed_tokens, num_reqs)
         new = self._counts("num_new_tokens", num_new_tokens, num_reqs)
         if num_draft_tokens is None:
@@ -249,10 +260,9 @@ class MetadataBuilder:
         qsl[0] = 0
         qsl[1 : num_reqs + 1] = np.cumsum(new)
         qsl[num_reqs + 1 :] = num_tokens
-        if num_tokens == num_reqs and (num_reqs == 0 or int(new.min()) == 1):  # pure decode
-            row_req = np.arange(num_reqs)
-            row_in_req = np.zeros(num_reqs, dtype=np.int64)
-        else:
+        row_req: np.ndarray | None = None  # None: one token row per request (pure decode)
+        row_in_req: np.ndarray | None = None
+        if num_tokens != num_reqs or (num_reqs > 0 and int(new.min()) != 1):
             row_req = np.repeat(np.arange(num_reqs), new)
             row_in_req = np.arange(num_tokens) - qsl[row_req]
         for gid, width, seq_lens, pages, _, _ in plans:
@@ -277,7 +287,6 @@ class MetadataBuilder:
 
         views = staging.to(self.device)
         query_lens = tuple(new.tolist())
-        ids_tuple = tuple(req_ids)
         out = {}
         for gid, _, seq_lens, _, _, _ in plans:
             group = self._tables[gid].group
