@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from pagedkv.batch.checked import checked_mode, validate_group_arrays
+from pagedkv.batch.derived import fill_derived
 from pagedkv.batch.inputs import ScheduledRequest
 from pagedkv.batch.metadata import GroupMetadata, StepMetadata
 from pagedkv.batch.staging import Staging
@@ -79,7 +80,7 @@ def build_metadata(
 
     views = staging.to(device)
     out = {}
-    query_lens = tuple(int(x) for x in new)
+    query_lens = tuple(new.tolist())
     drafts = tuple(r.num_draft_tokens for r in requests)
     req_ids = tuple(r.req_id for r in requests)
     for plan in plans:
@@ -95,7 +96,7 @@ def build_metadata(
             **{name: views[f"{gid}.{name}"] for name in _PER_GROUP},
             req_ids=req_ids,
             query_lens_host=query_lens,
-            seq_lens_host=tuple(int(x) for x in plan.seq_lens),
+            seq_lens_host=tuple(plan.seq_lens.tolist()),
             num_draft_tokens_host=drafts,
         )
     return StepMetadata(out)
@@ -173,7 +174,7 @@ class _GroupPlan:
         ]
 
     def fill(self, host, row_req: np.ndarray, row_in_req: np.ndarray) -> None:
-        group, bs, n = self.group, self.group.block_size, len(self.ids)
+        group, n = self.group, len(self.ids)
         table = host("block_table")
         table.fill(0)
         kept = np.minimum(self.lens, self.width)
@@ -196,27 +197,4 @@ class _GroupPlan:
             rows = np.repeat(np.arange(n), kept)
             table[rows, np.arange(total) - np.repeat(starts, kept)] = flat
 
-        seq = host("seq_lens")
-        seq.fill(0)
-        seq[:n] = self.seq_lens
-        last = host("paged_kv_last_page_len")
-        last.fill(0)
-        last[:n] = np.where(self.pages > 0, self.seq_lens - (self.pages - 1) * bs, 0)
-        indptr = host("paged_kv_indptr")
-        indptr[0] = 0
-        indptr[1 : n + 1] = np.cumsum(self.pages)
-        indptr[n + 1 :] = self.nnz
-        used = np.arange(self.width)[None, :] < self.pages[:, None]
-        host("paged_kv_indices")[:] = table[:n][used]
-
-        slots, positions = host("slot_mapping"), host("positions")
-        slots.fill(-1)
-        positions.fill(0)
-        pos = self.computed[row_req] + row_in_req - group.position_offset
-        valid = pos >= 0
-        safe = np.where(valid, pos, 0)
-        block = np.zeros_like(pos)
-        block[valid] = table[row_req[valid], safe[valid] // bs]
-        m = row_req.shape[0]
-        slots[:m] = np.where(valid, block * bs + safe % bs, -1)
-        positions[:m] = safe
+        fill_derived(host, group, self.seq_lens, self.pages, self.computed, row_req, row_in_req)

@@ -102,7 +102,9 @@ class AttentionView:
         both = torch.tensor(self.decode_reqs_host + self.prefill_reqs_host, dtype=torch.int32)
         device = self.metadata.seq_lens.device
         if device.type == "cuda":
-            both = both.pin_memory().to(device, non_blocking=True)
+            both = both.pin_memory()
+        if device.type != "cpu":
+            both = both.to(device, non_blocking=True)
         return both
 
     @property
@@ -135,13 +137,17 @@ def attention_view(meta: GroupMetadata, group: AttentionGroup, *, causal: bool) 
     ``draft_block``, and every request's query length equal to it; otherwise
     :class:`UnsupportedCapabilityError` (never a silent causal fallback).
     """
-    foreign = [name for name in group.layer_names if name not in meta.layer_names]
-    if foreign:
-        raise InvalidArgumentError(
-            f"attention group {group.name!r}: layers {foreign} are not in block-table group "
-            f"{meta.group_id} ({len(meta.layer_names)} layers)"
-        )
+    names = meta.layer_names
+    if group.layer_names != names:
+        known = frozenset(names)
+        foreign = [name for name in group.layer_names if name not in known]
+        if foreign:
+            raise InvalidArgumentError(
+                f"attention group {group.name!r}: layers {foreign} are not in block-table group "
+                f"{meta.group_id} ({len(names)} layers)"
+            )
     q_lens = meta.query_lens_host
+    shortest, longest = min(q_lens, default=0), max(q_lens, default=0)
     if not causal:
         if not group.supports_non_causal:
             raise UnsupportedCapabilityError(
@@ -153,20 +159,31 @@ def attention_view(meta: GroupMetadata, group: AttentionGroup, *, causal: bool) 
                 f"attention group {group.name!r}: a non-causal invocation needs a draft block "
                 "size, and the group declares none"
             )
-        odd = [(i, q) for i, q in enumerate(q_lens) if q != group.draft_block]
-        if odd:
+        if shortest != group.draft_block or longest != group.draft_block:
+            odd = [(i, q) for i, q in enumerate(q_lens) if q != group.draft_block]
             raise UnsupportedCapabilityError(
                 f"attention group {group.name!r}: non-causal invocation needs every query "
                 f"length equal to the draft block {group.draft_block}; (row, length) {odd[:8]}"
             )
-    decodes = tuple(i for i, q in enumerate(q_lens) if 0 < q <= group.decode_threshold)
-    prefills = tuple(i for i, q in enumerate(q_lens) if q > group.decode_threshold)
+    threshold = group.decode_threshold
+    if shortest > 0 and longest <= threshold:  # all decodes: no per-row Python work
+        decodes: tuple[int, ...] = tuple(range(len(q_lens)))
+        prefills: tuple[int, ...] = ()
+        decode_tokens, prefill_tokens = sum(q_lens), 0
+    elif shortest > threshold:  # all prefills
+        decodes, prefills = (), tuple(range(len(q_lens)))
+        decode_tokens, prefill_tokens = 0, sum(q_lens)
+    else:
+        decodes = tuple(i for i, q in enumerate(q_lens) if 0 < q <= threshold)
+        prefills = tuple(i for i, q in enumerate(q_lens) if q > threshold)
+        decode_tokens = sum(q_lens[i] for i in decodes)
+        prefill_tokens = sum(q_lens[i] for i in prefills)
     return AttentionView(
         group=group,
         metadata=meta,
         causal=causal,
         decode_reqs_host=decodes,
         prefill_reqs_host=prefills,
-        num_decode_tokens=sum(q_lens[i] for i in decodes),
-        num_prefill_tokens=sum(q_lens[i] for i in prefills),
+        num_decode_tokens=decode_tokens,
+        num_prefill_tokens=prefill_tokens,
     )
