@@ -115,6 +115,11 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(n, length, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, length, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, length, self.num_v_heads, self.head_v_dim)
+        if self.num_v_heads != self.num_k_heads:
+            # each q/k head serves consecutive value heads; repeat here because older
+            # transformers' scans (5.17) expect it done by the caller, newer ones accept both
+            q = q.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+            k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
         chunked, token_by_token = _delta_rules()
         scan = token_by_token if length == 1 else chunked
         out, final = scan(q, k, v, g=g, beta=beta, initial_state=init["recurrent"],

@@ -65,8 +65,9 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
         self.down_proj = nn.Parameter(torch.zeros(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
-        self.alpha = config.swiglu_alpha
-        self.limit = config.swiglu_limit
+        # transformers before 5.2x fixed these in the model code (1.702, 7.0), not the config
+        self.alpha = getattr(config, "swiglu_alpha", 1.702)
+        self.limit = getattr(config, "swiglu_limit", 7.0)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
