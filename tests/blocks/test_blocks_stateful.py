@@ -171,8 +171,14 @@ class BlockMachine(RuleBasedStateMachine):
             return
         spec = todo == 1 and self.spec > 0
         n = 1 if spec else min(todo, chunk)
-        if not m.allocate(rid, n, self.la if spec else 0):
-            return  # a scheduler would preempt; the preempt rule covers that
+        while not m.allocate(rid, n, self.la if spec else 0):
+            # as a scheduler does: preempt the newest other running request; alone, the
+            # request must fit (the floors promise it), so a False here is a deadlock
+            others = [r for r in self.running if r != rid]
+            assert others, f"request {rid} alone cannot take {n} tokens"
+            m.preempt(others[-1])
+            self.running.remove(others[-1])
+            self.waiting.append(others[-1])
         self._finish_step(rid, n, spec, min(accepted, self.spec))
 
     @precondition(lambda self: self.running)

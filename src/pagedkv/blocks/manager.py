@@ -475,9 +475,17 @@ class KVCacheManager:
             total += c
         if total <= free:
             return True, [], [p for p, c in costs if c]
-        lean = [p for p, c in costs if c and need[p.pool_id] <= cached[p.pool_id]]
-        costly = [p for p, c in costs if c and p not in lean]
-        total = sum(c for p, c in costs if p in costly)
+        # the budget is short: every pool that would map pages reuses its own cached
+        # blocks first, so it maps exactly the pages of its lowest plain ids beyond them
+        lean = [p for p, c in costs if c]
+        total = 0
+        costly = []
+        for p in lean:
+            beyond = need[p.pool_id] - cached[p.pool_id]
+            c = p.cost_of(beyond) if beyond > 0 else 0  # type: ignore[attr-defined]
+            if c:
+                costly.append(p)
+                total += c
         if total <= free:
             return True, lean, costly
         spare = 0
