@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 from array import array
@@ -131,3 +132,29 @@ def test_a_deployment_secret_changes_every_key():
     a = chain("sha256", list(range(8)), 4, root_hash((), b"k1"))
     b = chain("sha256", list(range(8)), 4, root_hash((), b"k2"))
     assert not set(a) & set(b)
+
+
+def test_sha256_shared_prefix_from_the_memo_matches_an_independent_computation():
+    # the second and third prompts reuse the first one's chain links (and the memo is
+    # cleared when full): every key is still SHA-256 of parent digest + block bytes
+    from pagedkv.blocks import hashing
+
+    rng = random.Random(11)
+    shared = [rng.randrange(1 << 20) for _ in range(32)]
+    prompts = [shared + [rng.randrange(1 << 20) for _ in range(8)] for _ in range(3)]
+    for parent in (5, 6, 5):  # another root (secret, salt) shares no link
+        for toks in prompts:
+            expected, h = [], parent
+            for i in range(len(toks) // 8):
+                raw = h.to_bytes(32, "little") + array("I", toks[i * 8:(i + 1) * 8]).tobytes()
+                h = int.from_bytes(hashlib.sha256(raw).digest(), "little")
+                expected.append(h)
+            assert chain("sha256", toks, 8, parent) == expected
+    old = hashing._SHA_MEMO_MAX
+    hashing._SHA_MEMO_MAX = 2  # cleared on nearly every link
+    try:
+        fresh = [rng.randrange(1 << 20) for _ in range(40)]
+        assert chain("sha256", fresh, 8, 5) == chain("sha256", fresh[:], 8, 5)
+        assert len(hashing._SHA_MEMO) <= 2
+    finally:
+        hashing._SHA_MEMO_MAX = old

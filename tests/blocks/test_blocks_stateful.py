@@ -4,7 +4,9 @@ checked mode (every call ends with the full invariant sweep), over real plans of
 models (elastic pools over one budget, as ``from_plan`` builds them), hand-built fixed
 pools with small blocks, and hand-built elastic pools of mixed retentions (full + sliding
 window + recurrent + an MTP drafter) over small pages and a tight budget, with steps
-finishing at once or later (``sync_steps=False``). At the end every block must be back,
+finishing at once or later (``sync_steps=False``), and full + sliding-window pools whose
+blocks straddle pages differently (as Gemma-3's do) under a budget a few pages above the
+floors, where prefix hits take cached blocks back while other pools must give pages up. At the end every block must be back,
 and after a prefix-cache reset the mapped bytes are the floors."""
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from test_blocks_groups import (
 
 from pagedkv.blocks import KVCacheManager, lookahead_tokens
 from pagedkv.errors import RequestTooLargeError
-from pagedkv.kvspec import Full, Recurrent, SlidingWindow
+from pagedkv.kvspec import Attention, AttentionKV, Full, LayerSpec, Recurrent, SlidingWindow
 
 BASES = [tuple((i * 7 + j) % 5 for i in range(200)) for j in range(3)]
 
@@ -59,10 +61,31 @@ def _elastic(sync_steps, **kw):
                           recurrent_checkpoint_every=1, **kw)
 
 
+def _uneven(**kw):
+    # full blocks of 40 KiB (1.25 pages of 32 KiB), window blocks of 10 KiB (3.2 a page);
+    # floors 27 pages of a 34-page budget: the regression shape of
+    # `pagedkv simulate gemma-3-27b --memory 40GiB --max-model-len 16384 --workload
+    # shared-prefix --requests 300`, which raised OutOfBlocksError mid-run
+    def layer(name, retention):
+        att = Attention(window=retention.window) if isinstance(retention, SlidingWindow) \
+            else Attention()
+        return LayerSpec(name, AttentionKV(5, 128), retention, att, "target", 0)
+
+    lim = {"max_model_len": 64, "max_batched_tokens": 64}
+    groups = [group(0, Full(), 4, 1, layers=tuple(layer(f"f{i}", Full()) for i in range(4)),
+                    **lim),
+              group(1, SlidingWindow(8), 4, 1, layers=(layer("w", SlidingWindow(8)),), **lim)]
+    assert [g.page_bytes for g in groups] == [40960, 10240]
+    return KVCacheManager(groups, budget_bytes=34 * 32768, page_bytes=32768, max_model_len=64,
+                          **kw)
+
+
 def _manager(kind):
     kw = {"checked": True, "sweep_every": 1, "events": True, "max_batched_tokens": 64}
     if kind in ("elastic", "elastic-async"):
         return _elastic(kind == "elastic", **kw)
+    if kind == "elastic-uneven":
+        return _uneven(**kw)
     if kind == "full":
         return KVCacheManager(full_only(num_blocks=40, bs=4), **kw)
     if kind == "window":
@@ -148,8 +171,14 @@ class BlockMachine(RuleBasedStateMachine):
             return
         spec = todo == 1 and self.spec > 0
         n = 1 if spec else min(todo, chunk)
-        if not m.allocate(rid, n, self.la if spec else 0):
-            return  # a scheduler would preempt; the preempt rule covers that
+        while not m.allocate(rid, n, self.la if spec else 0):
+            # as a scheduler does: preempt the newest other running request; alone, the
+            # request must fit (the floors promise it), so a False here is a deadlock
+            others = [r for r in self.running if r != rid]
+            assert others, f"request {rid} alone cannot take {n} tokens"
+            m.preempt(others[-1])
+            self.running.remove(others[-1])
+            self.waiting.append(others[-1])
         self._finish_step(rid, n, spec, min(accepted, self.spec))
 
     @precondition(lambda self: self.running)
@@ -205,7 +234,8 @@ class BlockMachine(RuleBasedStateMachine):
         self.m.check_invariants()
 
 
-KINDS = ["full", "window", "kimi", "mtp", "elastic", "elastic-async", "real-llama",
+KINDS = ["full", "window", "kimi", "mtp", "elastic", "elastic-async", "elastic-uneven",
+         "real-llama",
          "real-gpt-oss", "real-kimi-dspark", "real-deepseek-mtp"]
 
 

@@ -47,9 +47,16 @@ def test_blocks_md_simulator_figures(cli):
     assert gpt["steps"] == int(m[1])
     assert f"{gpt['generated_tokens_per_step']:.1f}" == m[2]
     kimi = cli("simulate", "kimi-k3", *args).json()
-    m = re.search(r"Kimi-K3 \(no drafter\) holds (\d+) state slots .*? its prefix hit rate is "
-                  r"([\d.]+) \(ideal 0.8\), (\d+) steps", text)
+    m = re.search(r"Kimi-K3 \(no drafter\): (\d+) state slots elastic .*? its prefix hit rate "
+                  r"is ([\d.]+) \(fixed: [\d.]+; ideal 0.8\), (\d+) steps", text)
     slots = next(g["num_blocks"] for g in kimi["groups"] if g["retention"] == "recurrent")
     assert slots == int(m[1])
     assert f"{kimi['prefix_hit_rate']:.3f}" == m[2]
     assert kimi["steps"] == int(m[3])
+    gemma = cli("simulate", "gemma-3-27b", *args).json()  # elastic pools, the default
+    m = re.search(r"\| gemma-3-27b \| \*\*elastic\*\* \| \*\*(\d+)\*\* \| \*\*([\d.]+)\*\* \| "
+                  r"([\d.]+) \| \*\*(\d+)\*\* \|", text)
+    assert gemma["steps"] == int(m[1]) and gemma["requests_finished"] == 300
+    assert f"{gemma['generated_tokens_per_step']:.1f}" == m[2]
+    assert f"{gemma['prefix_hit_rate']:.3f}" == m[3]
+    assert gemma["preemptions"] == int(m[4])

@@ -91,9 +91,28 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
             append(from_bytes(h, "little"))
         return
     step = bs * 4
+    memo = _SHA_MEMO
+    get = memo.get
     for off in range(0, len(buf), step):
-        h = sha256(h + buf[off:off + step]).digest()
-        append(from_bytes(h, "little"))
+        link = h + buf[off:off + step]
+        known = get(link)
+        if known is None:
+            h = sha256(link).digest()
+            if len(memo) >= _SHA_MEMO_MAX:
+                memo.clear()
+            memo[link] = known = (h, from_bytes(h, "little"))
+        else:
+            h = known[0]
+        append(known[1])
+
+
+# Recent chain links of ``sha256``: the exact input (parent digest + block bytes) -> its
+# digest. A prefix many requests share (a system prompt) is then hashed once, not once
+# per request; the dict compares whole inputs, so this is SHA-256 exactly (no new
+# collisions), and the parent digest carries the secret and salts. Bounded: cleared
+# when full (at most ~16 MiB at blocks of 16 tokens).
+_SHA_MEMO: dict[bytes, tuple[bytes, int]] = {}
+_SHA_MEMO_MAX = 1 << 16
 
 
 def _xxh3_extender() -> Extender:

@@ -12,7 +12,6 @@ allocations run only when some group reaches its next boundary (``next_event``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -404,17 +403,14 @@ class KVCacheManager:
         """Admission on bytes: every pool's new blocks must fit the shared budget (after
         pools reuse their own cached blocks and others give back cached-only pages)."""
         self._sync_ledger()
-        need: dict[int, int] = {}
-        for m in self.managers:
-            k = m.blocks_needed(req, end, hits[m.index] if hits is not None else None)
-            if k:
-                need[m.pool.pool_id] = need.get(m.pool.pool_id, 0) + k
-        ok, lean, costly = self._elastic_fits(need)
+        need, revived = self._elastic_need(req, end, hits)
+        ok, lean, costly = self._elastic_fits(need, revived)
         if not ok and self._spare_by_pool:
             for pool in self.pools:  # checkpoints never block an allocation
-                if need.get(pool.pool_id):
+                if need.get(pool.pool_id) or revived.get(pool.pool_id):
                     self._make_room(pool, pool.num_blocks)
-            ok, lean, costly = self._elastic_fits(need)
+            need, revived = self._elastic_need(req, end, hits)
+            ok, lean, costly = self._elastic_fits(need, revived)
         if not ok:
             self._raise_if_never(req, end)
             return False
@@ -437,10 +433,27 @@ class KVCacheManager:
         self._after_allocate(req, pending, start, n, end)
         return True
 
-    def _elastic_fits(self, need: Mapping[int, int]
+    def _elastic_need(self, req: RequestState, end: int, hits: list[list[BlockId]] | None
+                      ) -> tuple[dict[int, int], dict[int, list[BlockId]]]:
+        """Per pool: blocks to hand out anew, and hit blocks taken back out of its LRU."""
+        need: dict[int, int] = {}
+        revived: dict[int, list[BlockId]] = {}
+        for m in self.managers:
+            k, back = m.new_and_revived(req, end, hits[m.index] if hits is not None else None)
+            pid = m.pool.pool_id
+            if k:
+                need[pid] = need.get(pid, 0) + k
+            if back:
+                revived.setdefault(pid, []).extend(back)
+        return need, revived
+
+    def _elastic_fits(self, need: Mapping[int, int], revived: Mapping[int, list[BlockId]]
                       ) -> tuple[bool, list[BlockPool], list[BlockPool]]:
         """Whether ``need`` (pool id -> new blocks) fits; which pools must reuse their own
-        cached blocks rather than map new pages (the budget is short); which map pages."""
+        cached blocks rather than map new pages (the budget is short); which map pages.
+        ``revived`` (pool id -> hit blocks leaving the LRU) are neither new bytes nor
+        blocks the pool, or another pool's reclaim, can evict. Never optimistic: when
+        this says yes, every pool's allocation below succeeds."""
         ledger = self.ledger
         free = ledger.free_bytes()  # type: ignore[union-attr]
         worst = 0  # every new block on pages of its own: enough budget then, no more to ask
@@ -453,34 +466,60 @@ class KVCacheManager:
             if worst <= free:
                 return True, [], []
         costs: list[tuple[BlockPool, int]] = []
+        cached: dict[int, int] = {}  # pool id -> cached blocks it may evict for itself
         total = 0
         for pool in self.pools:
             k = need.get(pool.pool_id, 0)
             if not k:
                 continue
             plain = pool.num_plain_free()
-            if k > plain + len(pool.evictable):
+            cached[pool.pool_id] = len(pool.evictable) - len(revived.get(pool.pool_id, ()))
+            if k > plain + cached[pool.pool_id]:
                 return False, [], []
             c = pool.cost_of(min(k, plain))  # type: ignore[attr-defined]
             costs.append((pool, c))
             total += c
         if total <= free:
             return True, [], [p for p, c in costs if c]
-        lean = [p for p, c in costs if c and need[p.pool_id] <= len(p.evictable)]
-        costly = [p for p, c in costs if c and p not in lean]
-        total = sum(c for p, c in costs if p in costly)
+        # the budget is short: every pool that would map pages reuses its own cached
+        # blocks first, so it maps exactly the pages of its lowest plain ids beyond them
+        lean = [p for p, c in costs if c]
+        total = 0
+        costly = []
+        for p in lean:
+            beyond = need[p.pool_id] - cached[p.pool_id]
+            c = p.cost_of(beyond) if beyond > 0 else 0  # type: ignore[attr-defined]
+            if c:
+                costly.append(p)
+                total += c
         if total <= free:
             return True, lean, costly
         spare = 0
         for q in self.pools:
             if q in costly or not q.evictable:
                 continue
-            k = need.get(q.pool_id, 0)  # it takes up to k of its oldest cached blocks first
-            rest = list(itertools.islice(q.evictable, k, None)) if k else q.evictable
-            spare += ledger.bytes_freed_by(q.pool_id, rest)  # type: ignore[union-attr]
+            spare += self._spare_bytes(q, need.get(q.pool_id, 0), revived.get(q.pool_id, ()))
             if total <= free + spare:
                 return True, lean, costly
         return False, lean, costly
+
+    def _spare_bytes(self, q: BlockPool, k: int, revived: Sequence[BlockId]) -> int:
+        """Bytes a costly pool's reclaim can surely get from ``q`` once ``q`` took its
+        ``k`` new blocks: q's cached blocks, less the hits leaving its LRU and its ``k``
+        oldest (a lean pool reuses them), and less any on the pages where its ``k`` lowest
+        plain ids land (a block placed there keeps the page)."""
+        ledger = self.ledger
+        pid = q.pool_id
+        gone = set(revived)
+        rest = [b for b in q.evictable if b not in gone] if gone else list(q.evictable)
+        if k:
+            del rest[:k]
+            kept = {pg for b in q._lowest_ids(k)  # type: ignore[attr-defined]
+                    for pg in ledger.pages_of(pid, b)}  # type: ignore[union-attr]
+            if kept:
+                rest = [b for b in rest
+                        if kept.isdisjoint(ledger.pages_of(pid, b))]  # type: ignore[union-attr]
+        return ledger.bytes_freed_by(pid, rest) if rest else 0  # type: ignore[union-attr]
 
     def _sync_ledger(self) -> None:
         """Synchronous engines: a call after a step's launch means that step finished."""

@@ -144,6 +144,15 @@ class RecurrentManager(GroupManager):
             return 2 if self.pool.num_free() + self.spare() >= 2 else 1
         return 1
 
+    def new_and_revived(self, req: RequestState, end: int, hit: list[int] | None
+                        ) -> tuple[int, list[int]]:
+        """A restore from a cached checkpoint takes it out of the LRU and one slot anew;
+        a take-over (the pool is short) frees the checkpoint and takes one slot."""
+        k = self.blocks_needed(req, end, hit)
+        if k == 2:
+            return 1, [hit[0]]  # type: ignore[index]
+        return k, []
+
     def allocate(self, req: RequestState, end: int, hit: list[int] | None) -> None:
         i = self.index
         if req.tables[i]:
