@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from test_blocks_groups import full_only
+from block_groups import full_only
 
 from pagedkv.blocks import CheckedKVCacheManager, KVCacheManager
 from pagedkv.errors import CacheCorruptedError, InvalidArgumentError

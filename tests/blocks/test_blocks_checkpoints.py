@@ -1,15 +1,15 @@
 """Recurrent checkpoints: the default policy (branch points + newest decoded block), the
 forced interval, turning them off, draft positions, and that checkpoints never take a
 state slot a request needs. Hybrid groups: an MLA full-attention group (block size 4)
-and a recurrent group (tests/test_blocks_groups.py ``kimi_dspark_like``)."""
+and a recurrent group (tests/block_groups.py ``kimi_dspark_like``)."""
 
 from __future__ import annotations
 
 import pytest
+from block_groups import kimi_dspark_like
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from test_blocks_groups import kimi_dspark_like
 
 from pagedkv.blocks import KVCacheManager
 from pagedkv.errors import InvalidArgumentError

@@ -8,7 +8,7 @@ import dataclasses
 import random
 
 import pytest
-from test_blocks_groups import deepseek_mtp_like, full_only, gpt_oss_like, group, kimi_dspark_like
+from block_groups import deepseek_mtp_like, full_only, gpt_oss_like, group, kimi_dspark_like
 
 from pagedkv.blocks import KVCacheManager
 from pagedkv.blocks.elastic import ElasticPool

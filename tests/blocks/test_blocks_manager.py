@@ -4,7 +4,7 @@ the comments (block size 4 unless said)."""
 from __future__ import annotations
 
 import pytest
-from test_blocks_groups import (
+from block_groups import (
     deepseek_mtp_like,
     full_only,
     gpt_oss_like,

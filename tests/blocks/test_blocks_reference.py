@@ -3,9 +3,9 @@ prefixes (no hashes, no pools). Pools are large enough that nothing is evicted."
 
 from __future__ import annotations
 
+from block_groups import deepseek_mtp_like, full_only, gpt_oss_like
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_blocks_groups import deepseek_mtp_like, full_only, gpt_oss_like
 
 from pagedkv.blocks import KVCacheManager
 

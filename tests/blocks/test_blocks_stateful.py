@@ -12,10 +12,7 @@ and after a prefix-cache reset the mapped bytes are the floors."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_blocks_groups import (
+from block_groups import (
     _layer,
     deepseek_mtp_like,
     full_only,
@@ -23,6 +20,9 @@ from test_blocks_groups import (
     group,
     kimi_dspark_like,
 )
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv.blocks import KVCacheManager, lookahead_tokens
 from pagedkv.errors import RequestTooLargeError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_blocks_groups import deepseek_mtp_like, full_only, gpt_oss_like, kimi_dspark_like
+from block_groups import deepseek_mtp_like, full_only, gpt_oss_like, kimi_dspark_like
 
 from pagedkv.blocks import KVCacheManager
 from pagedkv.errors import InvalidArgumentError, TraceError
