@@ -24,8 +24,6 @@ from pagedkv.engine.speculative import DSparkDrafter, Proposal, SpeculativeEngin
 from pagedkv.sim import SimOptions, SimRequest, simulate  # noqa: E402
 
 K = 3  # drafts per step: a DSpark block of 4
-NEW = 8
-LENGTHS = (6, 11, 3)
 
 
 class BettingDSpark(DSparkDrafter):
@@ -49,7 +47,7 @@ def kimi():
     return tiny_kimi_linear(seed=4)
 
 
-def _engine_trace(hf, drafter, ps, **kw):
+def _engine_trace(hf, drafter, ps, new, **kw):
     """Run the engine; return it, the blocks used per group after each step's allocation
     and the drafts accepted per request at each speculative step."""
     opts = options(spec_tokens=K, enable_prefix_caching=False, max_batched_tokens=12,
@@ -71,38 +69,50 @@ def _engine_trace(hf, drafter, ps, **kw):
         return update(plan, sampled)
 
     sched.schedule, sched.update = recording_schedule, recording_update
-    run(hf, ps, opts, new=NEW, engine=engine)
+    run(hf, ps, opts, new=new, engine=engine)
     return engine, timeline, accepted
 
 
-def _simulate(engine, ps, accepted):
+def _simulate(engine, ps, accepted, new):
     """The same trace through the simulator, on a fresh manager of the engine's plan."""
     mgr = KVCacheManager.from_plan(engine.plan, enable_caching=False, checked=True)
-    reqs = [SimRequest(tuple(p), NEW, 0, tuple(o.token_ids), tuple(accepted[o.rid]))
+    reqs = [SimRequest(tuple(p), new, 0, tuple(o.token_ids), tuple(accepted[o.rid]))
             for p, o in zip(ps, engine.outputs)]
     return simulate(mgr, reqs, SimOptions(max_running=engine.options.max_running,
                                           spec_tokens=K, acceptance=0.0))
 
 
 def _bet(tokens, vocab):
-    """The greedy tokens with generated tokens 2 and 3 wrong: after the prefill's token,
-    drafts [1 2 3] keep 1, [3 4 5] keep none, [4 5 6] keep all (+ bonus 7)."""
-    return [(t + 1) % vocab if i in (2, 3) else t for i, t in enumerate(tokens)]
+    """The greedy tokens with generated tokens 2, 3 and 9 wrong: after the prefill's
+    token, drafts [1 2 3] keep 1, [3 4 5] keep none, [4 5 6] keep all (+ bonus 7), ..."""
+    return [(t + 1) % vocab if i in (2, 3, 9) else t for i, t in enumerate(tokens)]
 
 
 # roomy: the three requests run together; one-slot: the recurrent pool holds one
-# request's state, so the others wait for admission
-@pytest.mark.parametrize("budget", [None, 26000], ids=["roomy", "one-slot"])
-def test_kimi_linear_dspark_engine_and_simulator_agree_on_blocks(kimi, budget):
+# request's state, so the others wait for admission; preempting: two run, and the MLA
+# pool runs short as they grow (the newest is preempted and recomputed later)
+CASES = {"roomy": ((6, 11, 3), 8, None), "one-slot": ((6, 11, 3), 8, 26000),
+         "preempting": ((3, 4, 5), 16, 42000)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kimi_linear_dspark_engine_and_simulator_agree_on_blocks(kimi, case):
+    lengths, new, budget = CASES[case]
     vocab = kimi.config.vocab_size
-    ps = prompts(vocab, LENGTHS, seed=31)
-    want = [hf_greedy(kimi, p, NEW) for p in ps]
+    ps = prompts(vocab, lengths, seed=31)
+    want = [hf_greedy(kimi, p, new) for p in ps]
     drafter = BettingDSpark(random_dspark(kimi.config), {i: _bet(w, vocab) for i, w in enumerate(want)})
     kw = {"max_model_len": 24} if budget is None else {"max_model_len": 24, "kv_cache_bytes": budget}
-    engine, timeline, accepted = _engine_trace(kimi, drafter, ps, **kw)
+    engine, timeline, accepted = _engine_trace(kimi, drafter, ps, new, **kw)
 
     # the trace is not trivial: drafts accepted in full, in part and not at all
-    assert dict(accepted) == {0: [1, 0, K], 1: [1, 0, K], 2: [1, 0, K]}
+    if case == "preempting":
+        assert engine.manager.preemptions > 0
+        counts = {n for seq in accepted.values() for n in seq}
+        assert {0, 1, K} <= counts
+    else:
+        assert engine.manager.preemptions == 0
+        assert dict(accepted) == {0: [1, 0, K], 1: [1, 0, K], 2: [1, 0, K]}
     assert [o.token_ids for o in engine.outputs] == want  # lossless all the same
     kinds = tuple(m.group.retention.kind for m in engine.manager.managers)
     assert sorted(kinds) == ["full", "recurrent"], kinds
@@ -111,10 +121,10 @@ def test_kimi_linear_dspark_engine_and_simulator_agree_on_blocks(kimi, budget):
     assert len(mla) == 1  # one block table for the target's and the drafter's MLA layers
     rec = kinds.index("recurrent")
     running = max(t[rec] for t in timeline)  # one state slot per running request
-    assert running == (len(ps) if budget is None else 1)
+    assert running == {"roomy": 3, "one-slot": 1, "preempting": 2}[case]
 
-    sim = _simulate(engine, ps, accepted)
-    assert sim.requests_finished == len(ps) and sim.generated_tokens == NEW * len(ps)
+    sim = _simulate(engine, ps, accepted, new)
+    assert sim.requests_finished == len(ps) and sim.generated_tokens == new * len(ps)
     assert sim.steps == engine.steps == len(timeline)
     assert sim.preemptions == engine.manager.preemptions
     for step, (ours, theirs) in enumerate(zip(timeline, sim.timeline)):
