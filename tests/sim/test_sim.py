@@ -98,6 +98,22 @@ def test_speculative_steps_generate_accepted_drafts_plus_one(acceptance, steps):
     assert r.steps == steps and r.generated_tokens == 9 and r.leaked_blocks == 0
 
 
+@pytest.mark.parametrize("accepted, steps", [((3, 0, 2), 4), ((3,), 6), ((9, 9), 3)])
+def test_replayed_acceptance_decides_each_speculative_step(accepted, steps):
+    # 5 prompt tokens, 9 outputs, k = 3, acceptance 0 past the replayed counts: the
+    # prefill samples 1; (3, 0, 2) -> 4 + 1 + 3 = 8 more in 3 steps; (3,) -> 4, then 1
+    # per step (4 steps); (9, 9) is clamped to k = 3 -> 4 + 4 in 2 steps
+    m = KVCacheManager(full_only(), checked=True, max_batched_tokens=64)
+    r = simulate(m, [SimRequest(tuple(range(5)), 9, accepted_drafts=accepted)],
+                 SimOptions(spec_tokens=3, acceptance=0.0))
+    assert r.steps == steps and r.generated_tokens == 9 and r.leaked_blocks == 0
+
+
+def test_negative_replayed_acceptance_is_refused():
+    with pytest.raises(InvalidArgumentError, match=r"accepted_drafts must be >= 0, got \[1, -1\]"):
+        SimRequest((1, 2), 3, accepted_drafts=(1, -1))
+
+
 def test_small_pool_preempts_and_still_finishes_everything():
     m = KVCacheManager(full_only(num_blocks=12), checked=True, max_batched_tokens=64)
     reqs = [SimRequest(tuple(range(i, i + 10)), 12) for i in range(0, 50, 10)]

@@ -4,7 +4,8 @@ no arithmetic: the simulator and the engine cannot disagree on scheduling.
 
 A request that computed all its tokens samples one (its given output token, or a seeded
 pseudo-random one), or with speculative decoding its accepted drafts and a bonus token.
-Acceptance is drawn per draft, stopping at the first rejection, from a seeded generator:
+Acceptance is the request's own ``accepted_drafts`` while they last (a replayed engine
+run), else drawn per draft, stopping at the first rejection, from a seeded generator:
 a run is reproducible.
 """
 
@@ -96,11 +97,19 @@ class SimResult:
 class _Sampler:
     """The "model" of one request: its given output tokens, else seeded pseudo-random ones."""
 
-    __slots__ = ("given", "rng")
+    __slots__ = ("given", "rng", "accepted", "passes")
 
     def __init__(self, rid: int, req: SimRequest, seed: int) -> None:
         self.given = req.output_tokens
         self.rng = random.Random(seed * 1_000_003 + rid)
+        self.accepted = req.accepted_drafts or ()
+        self.passes = 0  # speculative decode steps so far
+
+    def scripted_acceptance(self) -> int | None:
+        """This decode step's accepted drafts from ``accepted_drafts``; None past its end."""
+        i = self.passes
+        self.passes += 1
+        return self.accepted[i] if i < len(self.accepted) else None
 
     def sample(self, generated: int, n: int) -> list[int]:
         given = self.given
@@ -149,9 +158,12 @@ def simulate(manager: KVCacheManager, requests: Sequence[SimRequest],
                 continue
             take = 1
             if chunk.num_lookahead:
-                accepted = 0
-                while accepted < options.spec_tokens and accept_rng.random() < options.acceptance:
-                    accepted += 1
+                accepted = samplers[req.rid].scripted_acceptance()
+                if accepted is None:
+                    accepted = 0
+                    while accepted < options.spec_tokens and accept_rng.random() < options.acceptance:
+                        accepted += 1
+                accepted = min(accepted, options.spec_tokens)
                 take = min(accepted + 1, req.remaining)
             sampled[req.rid] = samplers[req.rid].sample(req.num_generated, take)
             generated += take
