@@ -68,13 +68,15 @@ class GroupManager:
         """:meth:`blocks_needed` split into blocks the pool must hand out anew and the hit
         blocks it takes back out of its LRU (already holding data: they cost no bytes, but
         they can no longer be evicted to make room)."""
-        k = self.blocks_needed(req, end, hit)
         if not hit:
-            return k, []
+            return self.blocks_needed(req, end, hit), []
         ref = self.pool.ref
         null = self.pool.null
         revived = [b for b in hit if b != null and ref[b] == 0]
-        return k - len(revived), revived
+        if type(self).blocks_needed is GroupManager.blocks_needed:  # its sum, not done twice
+            adopted = len(hit) - (1 if req.pending.tokens % self.bs else 0)
+            return max(0, cdiv(end, self.bs) - adopted), revived
+        return self.blocks_needed(req, end, hit) - len(revived), revived
 
     def allocate(self, req: RequestState, end: int, hit: list[BlockId] | None) -> None:
         i = self.index

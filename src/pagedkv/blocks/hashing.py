@@ -83,8 +83,11 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
     from_bytes = int.from_bytes
     append = out.append
     h = parent.to_bytes(32, "little")
+    arr = array("I")
     try:  # one conversion for the whole range: the common case
-        buf = array("I", tokens[start * bs:stop * bs]).tobytes()
+        run = tokens[start * bs:stop * bs]
+        arr.fromlist(run if type(run) is list else list(run))  # faster than array("I", run)
+        buf = arr.tobytes()
     except OverflowError:
         for lo in range(start * bs, stop * bs, bs):
             h = sha256(h + _block_bytes(tokens[lo:lo + bs])).digest()

@@ -355,7 +355,9 @@ class KVCacheManager:
     def _allocate_slow(self, req: RequestState, n: int, lookahead: int) -> bool:
         if n < 0 or lookahead < 0:
             raise InvalidArgumentError(f"token counts must be >= 0, got {n} and {lookahead}")
-        pending = self.prefix.revalidate(req)  # a hit block may have been evicted since
+        pending = req.pending
+        if pending is not None:  # a hit block may have been evicted since
+            pending = self.prefix.revalidate(req)
         start = pending.tokens if pending is not None else req.num_computed
         end = start + n + lookahead
         if end > len(req.tokens) + lookahead:
@@ -414,6 +416,11 @@ class KVCacheManager:
         if not ok:
             self._raise_if_never(req, end)
             return False
+        if not costly and not lean:  # the common case: every pool's blocks fit as they are
+            for m in self.managers:
+                m.allocate(req, end, hits[m.index] if hits is not None else None)
+            self._after_allocate(req, pending, start, n, end)
+            return True
         # pools that map new pages go last, protected from each other's reclaim; the
         # others take their blocks first, after which their remaining cached pages may go
         late = [m for m in self.managers if m.pool in costly]
