@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
         spec_options = replace(options, spec_tokens=args.spec_tokens or 3,
                                enable_prefix_caching=options.enable_prefix_caching
-                               and args.draft not in ("mtp", "dspark", "eagle3"))
+                               and args.draft not in ("mtp", "eagle3"))
     engine = Engine(source, options, tokenizer=tokenizer)
     arch = arch or (getattr(engine.config, "architectures", None) or ["?"])[0]
     prompts = _prompts(args, engine.vocab_size)

@@ -17,7 +17,9 @@ One step (:meth:`SpeculativeEngine.step`):
 5. ``Scheduler.update`` commits the last token plus the accepted drafts; the block manager
    gives back every block only rejected drafts used. Rejected drafts' KV rows lie past the
    committed length, so they are never read (the next step overwrites them) and never
-   hashed into the prefix cache. Recurrent targets restore the state slots they had
+   hashed into the prefix cache. Before the commit a drafter with a ``flush`` method
+   writes its own KV at the positions the step finished, so blocks the commit caches hold
+   the drafter's KV too (prefix hits need no target hidden states). Recurrent targets restore the state slots they had
    before the pass and recompute the accepted tokens from it (:class:`StateRollback`).
 """
 
@@ -305,6 +307,9 @@ class SpeculativeEngine(Engine):
                 kept = self.logits.setdefault(rid, [])
                 kept += [(chunk.num_computed + j, out.logits[r])
                          for j, r in enumerate(list(rows)[:keep])]
+        flush = getattr(self.drafter, "flush", None)
+        if flush is not None:  # drafter KV of finished positions, before they are cached
+            flush(self, plan.chunks, sampled)
         before = {c.request.rid: c.request.num_generated for c in plan.chunks}
         done = self.scheduler.update(plan, sampled)
         self.rollback.restore_and_recompute(
@@ -343,9 +348,9 @@ class MTPDrafter:
     """DeepSeek MTP (depth 0, chained for k > 1) over the target's MLA block table.
 
     Its layer ``draft.layers.0.self_attn`` is planned with the target's (same latent
-    layout, position_offset 1). Each step, before the verify pass, it catches up: for
-    every position p the target finished since its last run it computes its KV at p from
-    (token p + 1, target hidden at p); the last such row drafts the first token, and k - 1
+    layout, position_offset 1). At the end of each step (``flush``) it catches up: for
+    every position p the target finished it computes its KV at p from (token p + 1,
+    target hidden at p); the last such row drafts the next step's first token, and k - 1
     one-row passes chain on the block's own output. Chained rows' KV lies in lookahead
     slots and is overwritten by the next catch-up."""
 
@@ -354,6 +359,7 @@ class MTPDrafter:
     def __init__(self, module: Any) -> None:
         self.module = module
         self.pending: dict[object, _Pending] = {}
+        self.last: dict[object, tuple[int, torch.Tensor]] = {}  # rid -> (position, output row)
         self.first_logits: list[tuple[object, int, torch.Tensor]] = []  # (rid, position, row)
 
     def layer_specs(self, config: Any) -> tuple[LayerSpec, ...]:
@@ -366,9 +372,15 @@ class MTPDrafter:
         from pagedkv.errors import IncompatibleLayersError
 
         if engine.options.enable_prefix_caching:
+            # Not for want of hidden states (the drafter's KV is cached with the target's,
+            # written by ``flush``): its offset-1 group backs a hit off by one token, so the
+            # hit ends inside a block; the target's partly hit block is copied before the
+            # step's forward, and when its source is prefilled by another request in the
+            # same step the copy reads KV not written yet (wrong target logits).
             raise InvalidArgumentError(
-                f"--draft {self.name} runs without prefix caching (a hit gives no target "
-                "hidden states for the drafter to catch up from); disable prefix caching")
+                f"--draft {self.name} runs without prefix caching (its offset-1 hit ends "
+                "inside a block whose copy can precede the same step's prefill of its "
+                "source); disable prefix caching")
         name = "draft.layers.0.self_attn"
         mine = engine.runner.specs.get(name)
         target = [s for s in engine.specs if s.model != "draft" and s.attention is not None]
@@ -382,48 +394,75 @@ class MTPDrafter:
         _keep_rows(self.pending, rid, start, engine.model.last_hidden[rows])
 
     @torch.inference_mode()
+    def flush(self, engine: Engine, chunks: Sequence[Chunk],
+              sampled: Mapping[object, Sequence[int]]) -> None:
+        """End of a step, before the scheduler commits (blocks still held): compute the
+        drafter's KV at every position the target just finished whose next token is known
+        (the step's sampled tokens included). The block manager caches the drafter's
+        blocks together with the target's, so they must hold final KV when committed: a
+        request that finishes or is preempted later gets no further catch-up."""
+        known = {c.request.rid: list(engine.manager.requests[c.request.rid].tokens)
+                 + list(sampled.get(c.request.rid, ())) for c in chunks}
+        self._catch_up(engine, [(rid, self.pending[rid], toks) for rid, toks in known.items()
+                                if rid in self.pending and self.pending[rid].rows])
+
+    def _catch_up(self, engine: Engine, items) -> None:
+        """KV at pending positions p from (token p + 1, target row p), for the rows whose
+        token p + 1 is known; keeps the drafter's output at the last such row to draft from."""
+        rows = []
+        for rid, pend, toks in items:
+            n = min(len(pend.rows), len(toks) - pend.start - 1)
+            if n > 0:
+                rows.append((rid, pend.start, toks[pend.start + 1 : pend.start + n + 1],
+                             torch.stack(pend.rows[:n])))
+        if not rows:
+            return
+        hidden = self._run(engine, rows)
+        end = 0
+        for rid, first, ids, _ in rows:
+            end += len(ids)
+            self.last[rid] = (first + len(ids) - 1, hidden[end - 1])
+            pend = self.pending[rid]
+            self.pending[rid] = _Pending(first + len(ids), pend.rows[len(ids):])
+
+    @torch.inference_mode()
     def propose(self, engine: Engine, chunks: Sequence[Chunk],
                 k: Mapping[object, int]) -> dict[object, Proposal]:
         todo = [c for c in chunks if c.request.rid in k and c.request.rid in self.pending]
         if not todo:
             return {}
-        tokens = {c.request.rid: engine.manager.requests[c.request.rid].tokens for c in todo}
-        rows = []
         for c in todo:
             pend = self.pending[c.request.rid]
             if pend.start + len(pend.rows) != c.num_computed:
                 raise InvalidArgumentError(
                     f"request {c.request.rid!r}: MTP rows end at "
                     f"{pend.start + len(pend.rows)}, the step starts at {c.num_computed}")
-            ids = tokens[c.request.rid][pend.start + 1 : c.num_computed + 1]
-            rows.append((c.request.rid, pend.start, ids, torch.stack(pend.rows)))
-        hidden = self._run(engine, rows)
-        drafts = {rid: [] for rid, *_ in rows}
-        ends, start = [], 0
-        for _, _, ids, _ in rows:
-            start += len(ids)
-            ends.append(start - 1)
-        last = hidden[ends]
+        self._catch_up(engine, [(c.request.rid, self.pending[c.request.rid],
+                                 engine.manager.requests[c.request.rid].tokens) for c in todo])
+        todo = [c for c in todo if c.request.rid in self.last
+                and self.last[c.request.rid][0] == c.num_computed - 1]
+        if not todo:
+            return {}
+        rows = [(c.request.rid, self.last[c.request.rid][0]) for c in todo]
+        drafts: dict[object, list[int]] = {rid: [] for rid, _ in rows}
+        last = torch.stack([self.last[rid][1] for rid, _ in rows])
         for step in range(max(k[rid] for rid in drafts)):
             logits = self.module.compute_logits(last).float()
             if step == 0:
-                self.first_logits += [(rid, ps + len(ids) - 1, logits[i])
-                                      for i, (rid, ps, ids, _) in enumerate(rows)]
+                self.first_logits += [(rid, pos, logits[i]) for i, (rid, pos) in enumerate(rows)]
             nxt = logits.argmax(-1).tolist()
-            for (rid, *_), tok in zip(rows, nxt):
+            for (rid, _), tok in zip(rows, nxt):
                 if len(drafts[rid]) < k[rid]:
                     drafts[rid].append(int(tok))
             live = [(i, r) for i, r in enumerate(rows) if len(drafts[r[0]]) < k[r[0]]]
             if not live:
                 break
-            chain = [(rid, pos_start + len(ids) + step, [drafts[rid][-1]], last[i : i + 1])
-                     for i, (rid, pos_start, ids, _) in live]
+            chain = [(rid, pos + 1 + step, [drafts[rid][-1]], last[i : i + 1])
+                     for i, (rid, pos) in live]
             out = self._run(engine, chain)
             last = last.clone()
             for j, (i, _) in enumerate(live):
                 last[i] = out[j]
-        for rid, pos_start, ids, _ in rows:
-            self.pending[rid] = _Pending(pos_start + len(ids), [])
         return {rid: Proposal(tuple(d)) for rid, d in drafts.items()}
 
     def _run(self, engine: Engine, rows) -> torch.Tensor:
@@ -559,9 +598,9 @@ class Eagle3Drafter(MTPDrafter):
 class DSparkDrafter:
     """DSpark over the target's MLA block table (:mod:`pagedkv.modeling.drafters.dspark`).
 
-    Before each verify pass: catch up the drafter layers' context K at every position the
-    target finished since the last run (from the target layers' outputs kept by
-    ``model.capture_layers``), then one block forward per request [anchor, mask x (B-1)]
+    At the end of each step (``flush``): write the drafter layers' context K at every
+    position the target finished (from the target layers' outputs kept by
+    ``model.capture_layers``). Before each verify pass: one block forward per request [anchor, mask x (B-1)]
     at c .. c + B - 1 (scratch K/V in the lookahead slots), then the Markov head drafts
     left to right. k <= B - 1."""
 
@@ -584,10 +623,6 @@ class DSparkDrafter:
         if k > b - 1:
             raise InvalidArgumentError(
                 f"--spec-tokens {k} exceeds what a DSpark block of {b} drafts ({b - 1})")
-        if engine.options.enable_prefix_caching:
-            raise InvalidArgumentError(
-                "--draft dspark runs without prefix caching (a hit gives no target hidden "
-                "states to catch the drafter's context up from); disable prefix caching")
         runner = engine.runner
         target = [s for s in engine.specs if s.model != "draft" and s.attention is not None
                   and s.layout.kind == "mla_latent"]
@@ -622,6 +657,29 @@ class DSparkDrafter:
     def observe(self, engine: Engine, rid: object, start: int, rows: slice) -> None:
         _keep_rows(self.pending, rid, start, engine.model.captured[rows])
 
+    @torch.inference_mode()
+    def flush(self, engine: Engine, chunks: Sequence[Chunk],
+              sampled: Mapping[object, Sequence[int]]) -> None:
+        """End of a step, before the scheduler commits (blocks still held): write the
+        context K of every position the target just finished. These positions sit in the
+        target's MLA blocks, which the block manager caches: they must hold the drafter's
+        final K when committed (a request that finishes gets no later catch-up), so that
+        a prefix hit finds it there."""
+        self._write_context(engine, [c.request.rid for c in chunks])
+
+    def _write_context(self, engine: Engine, rids: Sequence[object]) -> None:
+        rows = [(rid, self.pending[rid]) for rid in rids
+                if rid in self.pending and self.pending[rid].rows]
+        if not rows:
+            return
+        reqs = [self._request(engine, rid, p.start, len(p.rows)) for rid, p in rows]
+        pos = [q for _, p in rows for q in range(p.start, p.start + len(p.rows))]
+        self.module.write_context(
+            torch.cat([torch.stack(p.rows) for _, p in rows]),
+            torch.tensor(pos, dtype=torch.long, device=engine.device), self._ctx(engine, reqs))
+        for rid, p in rows:
+            self.pending[rid] = _Pending(p.start + len(p.rows), [])
+
     def _ctx(self, engine: Engine, reqs: list) -> Any:
         from pagedkv.batch import build_metadata
         from pagedkv.modeling.base import ForwardContext
@@ -647,19 +705,13 @@ class DSparkDrafter:
         if not todo:
             return {}
         device = engine.device
-        ctx_rows = [(c, self.pending[c.request.rid]) for c in todo]
-        ctx_rows = [(c, p) for c, p in ctx_rows if p.rows]
-        for c, p in ctx_rows:
+        for c in todo:
+            p = self.pending[c.request.rid]
             if p.start + len(p.rows) != c.num_computed:
                 raise InvalidArgumentError(
                     f"request {c.request.rid!r}: DSpark context ends at "
                     f"{p.start + len(p.rows)}, the step starts at {c.num_computed}")
-        if ctx_rows:
-            reqs = [self._request(engine, c.request.rid, p.start, len(p.rows)) for c, p in ctx_rows]
-            pos = [q for _, p in ctx_rows for q in range(p.start, p.start + len(p.rows))]
-            self.module.write_context(
-                torch.cat([torch.stack(p.rows) for _, p in ctx_rows]),
-                torch.tensor(pos, dtype=torch.long, device=device), self._ctx(engine, reqs))
+        self._write_context(engine, [c.request.rid for c in todo])
         b = self.module.block_size
         reqs = [self._request(engine, c.request.rid, c.num_computed, b) for c in todo]
         anchors = torch.tensor([engine.manager.requests[c.request.rid].tokens[c.num_computed]
