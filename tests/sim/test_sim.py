@@ -72,8 +72,10 @@ def run(groups, b_arrival, **opts):
     # window 8: a hit at 12 reads positions 5..11, blocks 1 and 2: cached -> 12
     (gpt_oss_like(window=8), 12, 12),
     # MTP (offset 1): block j is final once token 4j+4 is computed. Later: A computed 13
-    # tokens -> 3 blocks -> 12 - 1 = 11. Same step: only 12 scheduled -> 2 blocks -> 7
-    (deepseek_mtp_like(), 11, 7),
+    # tokens -> 3 blocks -> 12 - 1 = 11. Same step: only 12 scheduled -> 2 blocks -> 7,
+    # which ends inside block 1, written by that same step's forward: copying it before
+    # the forward would copy nothing, so the hit stops at the block's start -> 4
+    (deepseek_mtp_like(), 11, 4),
     # recurrent, checkpoint every 2 blocks (8 tokens): only the state at 8 exists; the
     # same step cannot restore a state saved by a forward that has not run yet -> 0
     (kimi_dspark_like(checkpoint_every=2), 8, 0),

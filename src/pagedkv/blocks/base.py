@@ -3,6 +3,12 @@
 A manager owns one block-table group: it finds that group's longest valid prefix hit,
 counts and takes the blocks a request needs, offers newly full committed blocks to the
 prefix cache, and gives blocks back. It never decides admission or preemption.
+
+A prefill chunk's full blocks are cached when they are allocated, before the forward that
+writes them ("unwritten" until the request commits). A request of the same step may take
+them as whole blocks of its hit: the forward writes every request's KV of a layer before
+any of them attends. It may not end its hit inside one: that block is copied before the
+forward, so the copy would read KV not written yet; such a hit stops at the block's start.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from pagedkv.blocks.events import CopyOp, EventLog
 from pagedkv.blocks.ids import BlockId, GroupId, GroupIndex
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.request import INF, RequestState
+from pagedkv.errors import CacheCorruptedError
 from pagedkv.kvspec.retention import blocks_per_request, cdiv, step_blocks
 from pagedkv.plan.types import Group
 
@@ -33,6 +40,8 @@ class GroupManager:
         self.cache = pool.cache_for(group.id)
         self.events = events
         self.ops: list[CopyOp] = []
+        # cached at allocation, not yet written: never the partly hit block of a hit
+        self.unwritten: set[BlockId] = set()
 
     # --- prefix hits -------------------------------------------------------------------
     def key(self, req: RequestState, i: int) -> int:
@@ -47,8 +56,14 @@ class GroupManager:
         """Longest valid hit of at most ``max_tokens`` tokens: (tokens, blocks to adopt,
         the last one partly when the hit ends inside it). Layers with position offset k
         computed position p from token p+k, so only a run's first ``len * bs - k``
-        positions are valid: such groups back off by k tokens, not by a block."""
+        positions are valid: such groups back off by k tokens, not by a block. A hit never
+        ends inside an unwritten block (:attr:`unwritten`): it stops at that block's start."""
         raise NotImplementedError
+
+    def partial_ok(self, block: BlockId) -> bool:
+        """Whether a hit may end inside ``block``, i.e. copy it before the step's forward:
+        only once the step that writes it has finished."""
+        return not self.unwritten or block not in self.unwritten
 
     # --- allocation --------------------------------------------------------------------
     def blocks_needed(self, req: RequestState, end: int, hit: list[BlockId] | None) -> int:
@@ -88,6 +103,10 @@ class GroupManager:
             req.ncached[i] = h // self.bs
             if h % self.bs:  # the hit ends inside its last block: copy it, never write it
                 src = table.pop()
+                if not self.partial_ok(src):
+                    raise CacheCorruptedError(
+                        f"request {req.id!r} group {self.gid}: a hit of {h} tokens would copy "
+                        f"block {src} before the forward that writes it")
                 dst = pool.allocate(1, self.gid)[0]
                 table.append(dst)
                 req.copy_src[i] = src
@@ -106,7 +125,30 @@ class GroupManager:
         """Offer blocks now full of committed tokens to the cache; return the committed
         count at which this group next has work."""
         self.release_copy_source(req)
+        self.mark_written(req)
         return self.offer(req, req.num_computed)
+
+    def mark_written(self, req: RequestState) -> None:
+        """The step that allocated (and cached) the request's blocks has run: their KV is
+        written, so they may now be the partly hit block of a hit."""
+        mine = req.unwritten[self.index]
+        if mine:
+            self.unwritten.difference_update(mine)
+            req.unwritten[self.index] = []
+
+    def drop_unwritten(self, req: RequestState) -> None:
+        """The request leaves before the commit of the step that was to write the blocks
+        it cached at allocation: they may hold no KV, so those no other request holds
+        leave the cache (one that another request of the step shares stays: both read
+        it in the same forward)."""
+        mine = req.unwritten[self.index]
+        if mine:
+            self.unwritten.difference_update(mine)
+            req.unwritten[self.index] = []
+            ref = self.pool.ref
+            for b in mine:
+                if ref[b] == 0:
+                    self.pool.uncache(b)
 
     def release_copy_source(self, req: RequestState) -> None:
         """A copy source is held until the step that ran the copy has finished."""
@@ -115,9 +157,9 @@ class GroupManager:
             req.copy_src[self.index] = None
             self.pool.release([src], self.gid)
 
-    def offer(self, req: RequestState, upto: int) -> int:
-        """Cache the blocks whose every position below ``upto`` has final KV (or gets it
-        in this step's forward, which writes a layer's KV before that layer attends)."""
+    def offer(self, req: RequestState, upto: int, unwritten: bool = False) -> int:
+        """Cache the blocks whose every position below ``upto`` has final KV, or gets it in
+        this step's forward (``unwritten``: at allocation; they are recorded as such)."""
         if not self.caching:
             return INF
         i = self.index
@@ -144,6 +186,10 @@ class GroupManager:
                     stored.append(j)
             req.ncached[i] = limit
             start = limit
+            if stored and unwritten:
+                fresh = [table[j] for j in stored]
+                self.unwritten.update(fresh)
+                req.unwritten[i] += fresh
             if stored and self.events.enabled:
                 first = stored[0]
                 self.events.emit("stored", gid, tuple(hashes[j] for j in stored),
@@ -168,6 +214,7 @@ class GroupManager:
         if table:
             self.pool.release(table[::-1], self.gid)
             req.tables[self.index] = []
+        self.drop_unwritten(req)
 
     # --- arithmetic --------------------------------------------------------------------
     def admission_blocks(self, num_tokens: int, max_batched_tokens: int) -> int:

@@ -62,6 +62,13 @@ def sweep(mgr: KVCacheManager) -> None:
             elif table and m.caching and m.group.retention.kind == "recurrent":
                 _require(m.pool.block_hash[table[0]] is None, "working state is never cached",
                          f"request {req.id!r} group {m.gid}: slot {table[0]} is cached")
+    for m in mgr.managers:
+        listed = [b for req in mgr.requests.values() for b in req.unwritten[m.index]]
+        _require(len(listed) == len(set(listed)) and set(listed) == m.unwritten,
+                 "unwritten blocks are those live requests cached at allocation",
+                 f"group {m.gid}: manager {sorted(m.unwritten)[:8]}, requests {sorted(listed)[:8]}")
+        _require(all(m.pool.block_hash[b] is not None and m.pool.ref[b] > 0 for b in m.unwritten),
+                 "unwritten blocks are cached and held", f"group {m.gid}")
     for pool in mgr.pools:
         _sweep_pool(pool, owners[pool.pool_id])
 

@@ -18,7 +18,10 @@ class FullManager(GroupManager):
             if b is None:
                 break
             blocks.append(b)
-        tokens = min(max_tokens, len(blocks) * self.bs - self.offset)
+        bs = self.bs
+        tokens = min(max_tokens, len(blocks) * bs - self.offset)
+        if tokens > 0 and tokens % bs and not self.partial_ok(blocks[tokens // bs]):
+            tokens -= tokens % bs  # that block is written by this step: not copied yet
         if tokens <= 0:
             return 0, []
-        return tokens, blocks[:cdiv(tokens, self.bs)]
+        return tokens, blocks[:cdiv(tokens, bs)]

@@ -539,15 +539,18 @@ class KVCacheManager:
         if pending is not None:
             req.num_computed = start
             req.pending = None
+        unwritten = False
         if self.enable_caching and (n > 1 or self._recurrent_managers):
             self.prefix.hash_full_blocks(req)
             for m in self._recurrent_managers:
                 m.reserve_checkpoints(req, start, end)
-            if n > 1:  # a prefill chunk: its known tokens are final
+            if n > 1:  # a prefill chunk: its known tokens are final, written by this step
                 for m in self._token_managers:
-                    m.offer(req, start + n)
-        if pending is not None or (self._recurrent_managers and any(req.saves)):
-            req.next_event = 0  # the next commit releases copy sources, caches saves
+                    m.offer(req, start + n, unwritten=True)
+                unwritten = any(req.unwritten)
+        if pending is not None or unwritten or (self._recurrent_managers and any(req.saves)):
+            # the next commit releases copy sources, marks blocks written, caches saves
+            req.next_event = 0
         self._update_limits(req, end)
 
     def _spare(self, pool: BlockPool) -> int:

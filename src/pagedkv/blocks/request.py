@@ -38,14 +38,15 @@ class RequestState:
     KV is final in every layer. ``hashes[bs]``: chained hashes of the full blocks of
     ``tokens`` for block size ``bs`` (grown only as blocks fill). ``tables[g]``: block ids
     of group ``g`` (null block where a window dropped one). ``ncached[g]``: leading blocks
-    of group ``g`` already offered to the prefix cache. ``slot_limit``: positions with a
+    of group ``g`` already offered to the prefix cache; ``unwritten[g]``: those it cached at
+allocation, before the step that writes them (written once the request commits). ``slot_limit``: positions with a
     slot in every group (``fast_limit``: the most a step may reach with no group having
     work, e.g. a recurrent checkpoint); ``last_block_start``: where the last allocated block of any
     group starts; ``next_event``: the committed-token count at which some group has work.
     """
 
     __slots__ = ("id", "tokens", "num_prompt", "max_new_tokens", "num_computed", "root",
-                 "mm_spans", "hashes", "tables", "ncached", "first_live", "copy_src",
+                 "mm_spans", "hashes", "tables", "ncached", "unwritten", "first_live", "copy_src",
                  "pending", "slot_limit", "fast_limit", "last_block_start", "next_event",
                  "num_preemptions", "saves", "marks", "rolling")
 
@@ -62,6 +63,7 @@ class RequestState:
         self.hashes: dict[int, list[int]] = {}
         self.tables: list[list[BlockId]] = [[] for _ in range(num_groups)]  # by GroupIndex
         self.ncached = [0] * num_groups
+        self.unwritten: list[list[BlockId]] = [[] for _ in range(num_groups)]
         self.first_live = [0] * num_groups
         self.copy_src: list[BlockId | None] = [None] * num_groups
         self.pending: PendingHit | None = None
@@ -81,6 +83,7 @@ class RequestState:
         self.num_computed = 0
         self.tables = [[] for _ in range(n)]
         self.ncached = [0] * n
+        self.unwritten = [[] for _ in range(n)]
         self.first_live = [0] * n
         self.copy_src = [None] * n
         self.pending = None

@@ -34,6 +34,8 @@ class WindowManager(GroupManager):
             if b is None:
                 run_start = j + 1
             h = min(max_tokens, (j + 1) * bs - k)
+            if h % bs and not self.partial_ok(found[h // bs]):  # type: ignore[arg-type]
+                h -= h % bs  # that block is written by this step: not copied yet
             # valid when every block h reads, [first_needed(h), h), is in the run
             if h > best and run_start <= first_needed(h) // bs:
                 best = h
