@@ -36,6 +36,20 @@ def test_speculative_generate_is_lossless(cli, draft, rate, tiny):
         assert report["steps"] < 6  # several tokens per verify pass
 
 
+@pytest.mark.parametrize("draft, tiny", [("mtp", "deepseek-v3"), ("eagle3", "llama-3-8b")])
+def test_offset_one_drafters_run_with_prefix_hits(cli, draft, tiny):
+    """A step budget of 12 admits one 12-token prompt per step: requests 2 and 3 hit the
+    first's block 0 (the prompts share 6 tokens), less the offset-1 group's one token: 3
+    tokens each, inside a block that an earlier step wrote (copied): 6 of 36 prompt tokens."""
+    args = list(ARGS)
+    args[1] = tiny
+    res = cli("generate", *args, "--draft", draft, "--max-batched-tokens", "12")
+    assert res.code == 0, res.err
+    report = res.json()
+    assert report["prefix_hit_rate"] == pytest.approx(6 / 36, abs=1e-6)
+    assert report["lossless"] is True and report["match"] is True
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--tiny", "deepseek-v3", "--draft", "eagle3"), "drafts for GQA targets"),
     (("--tiny", "llama-3-8b", "--draft", "dspark"), "needs an MLA target"),

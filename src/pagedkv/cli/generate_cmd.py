@@ -87,9 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.draft is not None:
         from dataclasses import replace
 
-        spec_options = replace(options, spec_tokens=args.spec_tokens or 3,
-                               enable_prefix_caching=options.enable_prefix_caching
-                               and args.draft not in ("mtp", "eagle3"))
+        spec_options = replace(options, spec_tokens=args.spec_tokens or 3)
     engine = Engine(source, options, tokenizer=tokenizer)
     arch = arch or (getattr(engine.config, "architectures", None) or ["?"])[0]
     prompts = _prompts(args, engine.vocab_size)

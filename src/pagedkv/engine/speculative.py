@@ -371,16 +371,6 @@ class MTPDrafter:
     def check(self, engine: Engine, k: int) -> None:
         from pagedkv.errors import IncompatibleLayersError
 
-        if engine.options.enable_prefix_caching:
-            # Not for want of hidden states (the drafter's KV is cached with the target's,
-            # written by ``flush``): its offset-1 group backs a hit off by one token, so the
-            # hit ends inside a block; the target's partly hit block is copied before the
-            # step's forward, and when its source is prefilled by another request in the
-            # same step the copy reads KV not written yet (wrong target logits).
-            raise InvalidArgumentError(
-                f"--draft {self.name} runs without prefix caching (its offset-1 hit ends "
-                "inside a block whose copy can precede the same step's prefill of its "
-                "source); disable prefix caching")
         name = "draft.layers.0.self_attn"
         mine = engine.runner.specs.get(name)
         target = [s for s in engine.specs if s.model != "draft" and s.attention is not None]
