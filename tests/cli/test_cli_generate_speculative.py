@@ -50,6 +50,26 @@ def test_offset_one_drafters_run_with_prefix_hits(cli, draft, tiny):
     assert report["lossless"] is True and report["match"] is True
 
 
+def test_tiny_kimi_k3_with_dspark_is_lossless_with_hits(cli):
+    """--tiny kimi-k3 builds K3's text model, transformers' Kimi-Linear: the fewest layers
+    holding each kind once (3 KDA, then MLA); K3's MLA output gate, which transformers
+    does not model, is left out. With DSpark on its MLA block table, prompts in separate
+    steps (budget 12) hit recurrent checkpoints and MLA blocks, lossless."""
+    from pagedkv.engine.tiny import tiny_config
+
+    cfg = tiny_config("kimi-k3")
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert not hasattr(cfg, "mla_use_output_gate")
+    args = list(ARGS)
+    args[1] = "kimi-k3"
+    res = cli("generate", *args, "--draft", "dspark", "--max-batched-tokens", "12")
+    assert res.code == 0, res.err
+    report = res.json()
+    assert report["architecture"] == "KimiLinearForCausalLM"
+    assert report["lossless"] is True and report["match"] is True
+    assert report["prefix_hit_rate"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--tiny", "deepseek-v3", "--draft", "eagle3"), "drafts for GQA targets"),
     (("--tiny", "llama-3-8b", "--draft", "dspark"), "needs an MLA target"),

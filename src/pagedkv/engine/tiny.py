@@ -1,7 +1,9 @@
 """Tiny random-weight transformers models of catalog architectures, built offline in fp32
 (``pagedkv generate --tiny``): the catalog config keeps its architecture, layer pattern,
 RoPE and masks, with every size shrunk and only as many layers as it takes to hold each
-kind of layer once."""
+kind of layer once. A multimodal or wrapper config gives its text model: Gemma 3's, and
+Kimi-K3's Kimi-Linear (KDA + NoPE MLA as transformers' ``kimi_linear`` builds it; K3's MLA
+output gate, which transformers does not model, is left out)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,13 @@ _SMALL = {
     "linear_value_head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16,
     "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8, "q_lora_rank": 32,
     "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    "query_pre_attn_scalar": 16, "num_nextn_predict_layers": 0,
+    "query_pre_attn_scalar": 16, "num_nextn_predict_layers": 0, "num_experts_per_token": 2,
 }
+_KDA = {"num_heads": 2, "head_dim": 16}  # Kimi-Linear's linear_attn_config, shrunk
+# wrapper configs whose text model --tiny builds: model_type -> (text architecture, the
+# text config's fields transformers does not model)
+_TEXT_MODELS = {"gemma3": ("Gemma3ForCausalLM", ()),
+                "kimi_k3": ("KimiLinearForCausalLM", ("mla_use_output_gate",))}
 _WINDOW = 8  # sliding windows shrink too, so that short prompts cross them
 _DROP = ("quantization_config", "_pagedkv", "torch_dtype", "dtype", "num_hidden_layers",
          "sliding_window_pattern", "mlp_only_layers")
@@ -35,6 +42,18 @@ def _layers(raw: dict) -> dict:
     out: dict[str, Any] = {}
     types = raw.get("layer_types")
     pattern = raw.get("hybrid_override_pattern")
+    linear = raw.get("linear_attn_config")
+    if linear and not types:  # Kimi-Linear: 1-based layer numbers of each kind
+        total = int(raw["num_hidden_layers"])
+        full = set(linear.get("full_attn_layers", ()))
+        types = ["full_attention" if i + 1 in full else "linear_attention" for i in range(total)]
+        n = max(types.index(t) for t in set(types)) + 1
+        out["linear_attn_config"] = {
+            **linear, **_KDA,
+            "full_attn_layers": [i + 1 for i in range(n) if types[i] == "full_attention"],
+            "kda_layers": [i + 1 for i in range(n) if types[i] == "linear_attention"]}
+        out["num_hidden_layers"] = n
+        return out
     if raw.get("sliding_window_pattern") and not types:
         p = int(raw["sliding_window_pattern"])
         total = int(raw.get("num_hidden_layers", p))
@@ -62,14 +81,17 @@ def tiny_config(name: str, *, mtp_layers: int = 0) -> Any:
 
     raw = load_config(name)
     arch = (raw.get("architectures") or ["?"])[0]
+    text = raw.get("text_config")
+    lacks: tuple[str, ...] = ()
+    if text is not None and raw.get("model_type") in _TEXT_MODELS:
+        arch, lacks = _TEXT_MODELS[raw["model_type"]]
+        raw = {**text, "architectures": [arch]}
     model_class(arch)  # no native code: refuse before building anything
     if "text_config" in raw:
-        if raw.get("model_type") != "gemma3":
-            raise UnsupportedArchitectureError(
-                f"--tiny builds text models; {name!r} ({arch}) nests a text_config pagedkv "
-                "has no tiny recipe for")
-        raw = {**raw["text_config"], "architectures": ["Gemma3ForCausalLM"]}
-    cfg = {k: v for k, v in raw.items() if k not in _DROP and k != "text_config"}
+        raise UnsupportedArchitectureError(
+            f"--tiny builds text models; {name!r} ({arch}) nests a text_config pagedkv "
+            "has no tiny recipe for")
+    cfg = {k: v for k, v in raw.items() if k not in _DROP and k not in lacks}
     for key, value in _SMALL.items():
         if key in cfg or key == "head_dim" and cfg.get("kv_lora_rank") is None:
             cfg[key] = value
@@ -82,6 +104,8 @@ def tiny_config(name: str, *, mtp_layers: int = 0) -> Any:
     if cfg.get("sliding_window"):
         cfg["sliding_window"] = min(int(cfg["sliding_window"]), _WINDOW)
     cfg.update(_layers(raw))
+    if cfg.get("model_type") == "kimi_linear":  # its defaults lie outside a tiny vocabulary
+        cfg.update(pad_token_id=0, bos_token_id=1, eos_token_id=None)
     cfg["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
     cfg["dtype"] = "float32"
     model_type = cfg.pop("model_type", None)
