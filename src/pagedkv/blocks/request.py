@@ -39,8 +39,8 @@ class RequestState:
     ``tokens`` for block size ``bs`` (grown only as blocks fill). ``tables[g]``: block ids
     of group ``g`` (null block where a window dropped one). ``ncached[g]``: leading blocks
     of group ``g`` already offered to the prefix cache; ``unwritten[g]``: those it cached at
-allocation, before the step that writes them (written once the request commits). ``slot_limit``: positions with a
-    slot in every group (``fast_limit``: the most a step may reach with no group having
+    allocation, before the step that writes them (written once the request commits).
+    ``slot_limit``: positions with a slot in every group (``fast_limit``: the most a step may reach with no group having
     work, e.g. a recurrent checkpoint); ``last_block_start``: where the last allocated block of any
     group starts; ``next_event``: the committed-token count at which some group has work.
     """
