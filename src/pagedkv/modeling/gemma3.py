@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.base import ForwardContext
+from pagedkv.modeling.decoder import DecoderLM, DecoderModel
 from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope
 
 _MULTIMODAL = "model.language_model."
@@ -66,49 +67,35 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
-        self.ropes = nn.ModuleDict({
-            kind: Rope(config, config.head_dim, kind) for kind in sorted(set(config.layer_types))})
+class Gemma3ForCausalLM(DecoderLM):
+    """Embeddings scaled by sqrt(hidden); each layer rotates with its layer type's rope."""
 
-
-class Gemma3ForCausalLM(CausalLM):
     architectures = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.text_config = text
-        self.model = Gemma3Model(text)
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie = bool(getattr(text, "tie_word_embeddings", True)) or bool(
+        norm = RMSNorm(text.hidden_size, text.rms_norm_eps, offset=True)
+        ropes = nn.ModuleDict({
+            kind: Rope(text, text.head_dim, kind) for kind in sorted(set(text.layer_types))})
+        tie = bool(getattr(text, "tie_word_embeddings", True)) or bool(
             getattr(config, "tie_word_embeddings", False))
-        if self.tie:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, DecoderModel(text, Gemma3DecoderLayer, norm, ropes), tie=tie)
+        self.text_config = text
         self.embed_scale = text.hidden_size ** 0.5
         self.final_cap = getattr(text, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.model.embed_tokens
-        x = emb(input_ids) * torch.tensor(self.embed_scale, dtype=emb.weight.dtype)
-        for layer in self.model.layers:
-            x = layer(x, positions, self.model.ropes[layer.self_attn.layer_type], ctx)
-        return self.model.norm(x)
+        return emb(input_ids) * torch.tensor(self.embed_scale, dtype=emb.weight.dtype)
+
+    def rope_for(self, layer: nn.Module) -> nn.Module:
+        return self.model.rotary_emb[layer.self_attn.layer_type]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.final_cap:
             logits = torch.tanh(logits / self.final_cap) * self.final_cap
         return logits
-
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie else {}
 
     def weight_name(self, name: str) -> str | None:
         if name.startswith(_SKIP):

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import UnsupportedArchitectureError
-from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.base import ForwardContext
+from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel
 from pagedkv.modeling.deepseek_v3 import MoE, expert_pieces
 from pagedkv.modeling.layers import GatedMLP, RMSNorm
 from pagedkv.modeling.mla import MLAAttention
@@ -144,48 +145,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, None, ctx)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: None,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class KimiLinearModel(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class KimiLinearForCausalLM(CapturingDecoderLM):
+    """No shared rope: MLA layers use the rope part of their latent unrotated."""
 
-
-class KimiLinearForCausalLM(CausalLM):
     architectures = ("KimiLinearForCausalLM",)
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.model = KimiLinearModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.last_hidden: torch.Tensor | None = None
-        # drafters conditioned on target layers (DSpark) set the layer indices to keep;
-        # ``captured`` is then those layers' outputs, concatenated per row
-        self.capture_layers: tuple[int, ...] = ()
-        self.captured: torch.Tensor | None = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        kept = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, ctx)
-            if i in self.capture_layers:
-                kept.append(x)
-        self.captured = torch.cat(kept, dim=-1) if kept else None
-        self.last_hidden = self.model.norm(x)  # the rows a drafter reads
-        return self.last_hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, DecoderModel(config, DecoderLayer, norm))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (per-expert as saved, or stacked as in memory) -> parameters."""
@@ -195,7 +168,7 @@ class KimiLinearForCausalLM(CausalLM):
         """In-memory names as they are; checkpoint names as Moonshot saves them
         (``block_sparse_moe``, experts' w1/w2/w3, separate q/k/v convs, forget-gate
         tensors on the attention module) mapped onto the same parameters."""
-        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+        if name == "lm_head.weight" and self.tie:
             return []
         name = name.replace(".block_sparse_moe.", ".mlp.")
         name = _FORGET.sub(r"self_attn.forget_gate.\1", name)

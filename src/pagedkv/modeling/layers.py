@@ -1,4 +1,5 @@
-"""Building blocks shared by the native models: RMSNorm (plain and 1 + w), RoPE, gated MLP.
+"""Building blocks shared by the native models: RMSNorm (plain and 1 + w), RoPE, gated MLP,
+the head size a config implies.
 
 RoPE frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` (llama3, yarn,
 linear... scaling), so the native models rotate exactly as the checkpoints were trained.
@@ -11,6 +12,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def head_dim(config: Any) -> int:
+    """Attention head size: the config's ``head_dim``, else hidden size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class RMSNorm(nn.Module):

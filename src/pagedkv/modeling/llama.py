@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedkv.modeling.base import CausalLM, ForwardContext
-from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope
+from pagedkv.modeling.base import ForwardContext
+from pagedkv.modeling.decoder import DecoderLM, DecoderModel
+from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim
 
 
 class LlamaAttention(nn.Module):
@@ -20,7 +21,7 @@ class LlamaAttention(nn.Module):
         self.name = f"model.layers.{index}.self_attn"
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.head_dim = head_dim(config)
         kind = config.model_type
         qkv_bias = True if kind == "qwen2" else bool(getattr(config, "attention_bias", False))
         o_bias = False if kind == "qwen2" else qkv_bias
@@ -62,35 +63,11 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
-        self.rotary_emb = Rope(config, head_dim)
-
-
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(DecoderLM):
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                      "Qwen3ForCausalLM")
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary_emb, ctx)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, DecoderModel(config, LlamaDecoderLayer, norm,
+                                              Rope(config, head_dim(config))))

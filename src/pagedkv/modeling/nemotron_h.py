@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.layers import head_dim
 from pagedkv.modeling.mamba2 import Mamba2Mixer
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
 
@@ -54,7 +55,7 @@ class NemotronHAttention(nn.Module):
         self.name = name
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.head_dim = head_dim(config)
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)

@@ -17,10 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.base import ForwardContext
+from pagedkv.modeling.decoder import DecoderLM, DecoderModel
 from pagedkv.modeling.gated_delta_net import GatedDeltaNet
-from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope
+from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
+
+
+def _rotary_dim(config: Any) -> int:
+    """The leading ``partial_rotary_factor`` of each head that RoPE rotates."""
+    return int(head_dim(config) * config.rope_parameters.get("partial_rotary_factor", 1.0))
 
 
 class Qwen3NextAttention(nn.Module):
@@ -29,9 +35,8 @@ class Qwen3NextAttention(nn.Module):
         self.name = name
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        self.rotary_dim = int(self.head_dim * factor)
+        self.head_dim = head_dim(config)
+        self.rotary_dim = _rotary_dim(config)
         bias = config.attention_bias
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.heads * self.head_dim * 2, bias=bias)
@@ -129,49 +134,22 @@ class Qwen3NextDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextModel(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
-        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        self.rotary_emb = Rope(config, int(head_dim * factor))
-
-
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(DecoderLM):
     """Packed rows in, hidden states out; ``compute_logits`` for the rows sampled."""
 
     architectures = ("Qwen3NextForCausalLM",)
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb
-        for layer in self.model.layers:
-            x = layer(x, positions, rope, ctx)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+        rope = Rope(config, _rotary_dim(config))
+        super().__init__(config, DecoderModel(config, Qwen3NextDecoderLayer, norm, rope))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (per-expert as saved, or stacked as in memory) -> parameters."""
         return load_pieces(self, weights, self._pieces)
 
     def _pieces(self, name: str) -> list[Piece]:
-        if name.startswith("mtp.") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+        if name.startswith("mtp.") or (name == "lm_head.weight" and self.tie):
             return []  # the multi-token-prediction head is not run; a tied head is the embedding
         m = _PER_EXPERT.fullmatch(name)
         if m is None:
