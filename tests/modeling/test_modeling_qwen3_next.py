@@ -42,7 +42,7 @@ def test_layer_mix(models):
     assert config.layer_types == ["linear_attention", "full_attention"] * 2
     kinds = {type(layer.mlp).__name__ for layer in ours.model.layers}
     assert kinds == {"GatedMLP", "Qwen3NextSparseMoe"}
-    assert ours.model.layers[1].self_attn.rotary_dim < ours.model.layers[1].self_attn.head_dim
+    assert ours.model.rotary_emb.rotary_dim < ours.model.layers[1].self_attn.head_dim
 
 
 @pytest.mark.parametrize("seed", [0, 1])

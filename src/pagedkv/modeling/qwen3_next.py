@@ -24,11 +24,6 @@ from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
 
 
-def _rotary_dim(config: Any) -> int:
-    """The leading ``partial_rotary_factor`` of each head that RoPE rotates."""
-    return int(head_dim(config) * config.rope_parameters.get("partial_rotary_factor", 1.0))
-
-
 class Qwen3NextAttention(nn.Module):
     def __init__(self, config: Any, name: str) -> None:
         super().__init__()
@@ -36,7 +31,6 @@ class Qwen3NextAttention(nn.Module):
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = head_dim(config)
-        self.rotary_dim = _rotary_dim(config)
         bias = config.attention_bias
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.heads * self.head_dim * 2, bias=bias)
@@ -53,10 +47,7 @@ class Qwen3NextAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        r = self.rotary_dim
-        q_rot, k_rot = rope(q[..., :r], k[..., :r], positions)
-        q = torch.cat([q_rot, q[..., r:]], dim=-1)
-        k = torch.cat([k_rot, k[..., r:]], dim=-1)
+        q, k = rope(q, k, positions)
         out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
@@ -141,7 +132,8 @@ class Qwen3NextForCausalLM(DecoderLM):
 
     def __init__(self, config: Any) -> None:
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
-        rope = Rope(config, _rotary_dim(config))
+        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        rope = Rope(config, int(head_dim(config) * factor))  # rotates that part of each head
         super().__init__(config, DecoderModel(config, Qwen3NextDecoderLayer, norm, rope))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
