@@ -41,7 +41,7 @@ def test_block_mix(models):
     """The tiny model has every block kind, and Mamba chunks (4) shorter than the prompts."""
     _, ours, config = models
     kinds = [type(layer.mixer).__name__ for layer in ours.model.layers]
-    assert kinds == ["Mamba2Mixer", "NemotronHMLP", "NemotronHAttention", "NemotronHMoE",
+    assert kinds == ["Mamba2Mixer", "NemotronHMLP", "GQAAttention", "NemotronHMoE",
                      "Mamba2Mixer", "NemotronHMLP"]
     assert config.chunk_size == 4
 

@@ -15,34 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import WeightError
+from pagedkv.modeling.attention import GQAAttention
 from pagedkv.modeling.base import ForwardContext
 from pagedkv.modeling.decoder import DecoderLM, DecoderModel
 from pagedkv.modeling.layers import RMSNorm, Rope, head_dim
-
-
-class GptOssAttention(nn.Module):
-    def __init__(self, config: Any, index: int) -> None:
-        super().__init__()
-        self.name = f"model.layers.{index}.self_attn"
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim(config)
-        h, bias = config.hidden_size, bool(config.attention_bias)
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
-        self.sinks = nn.Parameter(torch.zeros(self.heads))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
-        out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5, sinks=self.sinks)
-        return self.o_proj(out.reshape(t, -1))
 
 
 class GptOssRouter(nn.Module):
@@ -98,7 +74,7 @@ class GptOssDecoderLayer(nn.Module):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = GptOssAttention(config, index)
+        self.self_attn = GQAAttention(config, f"model.layers.{index}.self_attn", sinks=True)
         self.mlp = GptOssMLP(config)
         self.input_layernorm = RMSNorm(h, eps, cast_after=True)
         self.post_attention_layernorm = RMSNorm(h, eps, cast_after=True)

@@ -11,46 +11,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.modeling.attention import GQAAttention
 from pagedkv.modeling.base import ForwardContext
 from pagedkv.modeling.decoder import DecoderLM, DecoderModel
 from pagedkv.modeling.gated_delta_net import GatedDeltaNet
 from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
-
-
-class Qwen3NextAttention(nn.Module):
-    def __init__(self, config: Any, name: str) -> None:
-        super().__init__()
-        self.name = name
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim(config)
-        bias = config.attention_bias
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=True)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=True)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
-        out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5)
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
 
 
 class Qwen3NextRouter(nn.Module):
@@ -106,7 +79,9 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config)
             self.mixer_name = f"model.layers.{index}.linear_attn"
         else:
-            self.self_attn = Qwen3NextAttention(config, f"model.layers.{index}.self_attn")
+            self.self_attn = GQAAttention(
+                config, f"model.layers.{index}.self_attn", output_gate=True,
+                qk_norm=partial(RMSNorm, eps=config.rms_norm_eps, offset=True))
         sparse = (index not in config.mlp_only_layers and config.num_experts > 0
                   and (index + 1) % config.decoder_sparse_step == 0)
         self.mlp = Qwen3NextSparseMoe(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size)
