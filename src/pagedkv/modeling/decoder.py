@@ -1,8 +1,8 @@
 """The shell most native models share: ``model.embed_tokens`` -> ``model.layers`` ->
 ``model.norm`` -> ``lm_head``, under the checkpoints' own parameter names.
 
-A model file then holds only what is its own (its layers, its embedding scale or logit
-cap, how checkpoint names map). Nemotron-H keeps its own shell: its checkpoints name the
+A model file then holds only what is its own (what its layers are built of, its embedding
+scale or logit cap, how checkpoint names map). Nemotron-H keeps its own shell: its checkpoints name the
 parts differently (``embeddings``, ``norm_f``) and its blocks take no positions.
 """
 
@@ -15,6 +15,16 @@ import torch
 from torch import nn
 
 from pagedkv.modeling.base import CausalLM, ForwardContext
+
+
+class PreNormLayer(nn.Module):
+    """x + self_attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)):
+    subclasses build those four modules."""
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: nn.Module | None,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):

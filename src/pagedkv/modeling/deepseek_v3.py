@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.modeling.base import ForwardContext
-from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel
+from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel, PreNormLayer
 from pagedkv.modeling.layers import _ACTS, GatedMLP, RMSNorm
 from pagedkv.modeling.mla import MLAAttention, MLARope
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
@@ -115,7 +114,7 @@ class MoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         self.self_attn = MLAAttention(config, f"model.layers.{index}.self_attn")
@@ -124,11 +123,6 @@ class DecoderLayer(nn.Module):
                     if dense else MoE(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: MLARope | None,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekV3ForCausalLM(CapturingDecoderLM):

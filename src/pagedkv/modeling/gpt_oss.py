@@ -16,8 +16,7 @@ from torch import nn
 
 from pagedkv.errors import WeightError
 from pagedkv.modeling.attention import GQAAttention
-from pagedkv.modeling.base import ForwardContext
-from pagedkv.modeling.decoder import DecoderLM, DecoderModel
+from pagedkv.modeling.decoder import DecoderLM, DecoderModel, PreNormLayer
 from pagedkv.modeling.layers import RMSNorm, Rope, head_dim
 
 
@@ -70,7 +69,7 @@ class GptOssMLP(nn.Module):
         return self.experts(x, ids, weights)
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormLayer):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
@@ -78,11 +77,6 @@ class GptOssDecoderLayer(nn.Module):
         self.mlp = GptOssMLP(config)
         self.input_layernorm = RMSNorm(h, eps, cast_after=True)
         self.post_attention_layernorm = RMSNorm(h, eps, cast_after=True)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class GptOssForCausalLM(DecoderLM):

@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.modeling.base import ForwardContext
-from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel
+from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel, PreNormLayer
 from pagedkv.modeling.deepseek_v3 import MoE, expert_pieces
 from pagedkv.modeling.layers import GatedMLP, RMSNorm
 from pagedkv.modeling.mla import MLAAttention
@@ -127,7 +127,7 @@ class KimiDeltaAttention(nn.Module):
         return [out], {"conv": conv_state, "recurrent": final.float()}
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         kind = config.layer_types[index]
@@ -144,11 +144,6 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.intermediate_size, act=config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: None,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class KimiLinearForCausalLM(CapturingDecoderLM):

@@ -8,16 +8,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
-from torch import nn
-
 from pagedkv.modeling.attention import GQAAttention
-from pagedkv.modeling.base import ForwardContext
-from pagedkv.modeling.decoder import DecoderLM, DecoderModel
+from pagedkv.modeling.decoder import DecoderLM, DecoderModel, PreNormLayer
 from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormLayer):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         qwen2 = config.model_type == "qwen2"  # q/k/v bias always, o_proj never
@@ -30,11 +26,6 @@ class LlamaDecoderLayer(nn.Module):
                             bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(DecoderLM):
