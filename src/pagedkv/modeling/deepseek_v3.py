@@ -21,7 +21,7 @@ from torch import nn
 from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel, PreNormLayer
 from pagedkv.modeling.layers import _ACTS, GatedMLP, RMSNorm
 from pagedkv.modeling.mla import MLAAttention, MLARope
-from pagedkv.modeling.weight_pieces import Piece, load_pieces
+from pagedkv.modeling.weight_pieces import Piece, expert_pieces, load_pieces
 
 
 def num_experts(config: Any) -> int:
@@ -149,17 +149,3 @@ class DeepseekV3ForCausalLM(CapturingDecoderLM):
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-def expert_pieces(name: str, size: int) -> list[Piece]:
-    """Per-expert checkpoint names -> slices of the stacked expert parameters; any other
-    name -> the whole parameter of that name."""
-    m = _PER_EXPERT.fullmatch(name)
-    if m is None:
-        return [(name, ())]
-    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    if proj == "down_proj":
-        return [(f"{prefix}.down_proj", (e,))]
-    part = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-    return [(f"{prefix}.gate_up_proj", (e, part))]

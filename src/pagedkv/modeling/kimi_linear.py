@@ -25,11 +25,11 @@ from torch import nn
 from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.modeling.base import ForwardContext
 from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel, PreNormLayer
-from pagedkv.modeling.deepseek_v3 import MoE, expert_pieces
+from pagedkv.modeling.deepseek_v3 import MoE
 from pagedkv.modeling.layers import GatedMLP, RMSNorm
 from pagedkv.modeling.mla import MLAAttention
 from pagedkv.modeling.recurrent_state import StateDict, causal_conv, run_segments
-from pagedkv.modeling.weight_pieces import Piece, load_pieces
+from pagedkv.modeling.weight_pieces import Piece, expert_pieces, load_pieces
 
 
 @cache

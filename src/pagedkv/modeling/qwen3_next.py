@@ -9,7 +9,6 @@ the Hugging Face checkpoint; per-expert checkpoint tensors load into stacked exp
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -23,7 +22,7 @@ from pagedkv.modeling.base import ForwardContext
 from pagedkv.modeling.decoder import DecoderLM, DecoderModel
 from pagedkv.modeling.gated_delta_net import GatedDeltaNet
 from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim
-from pagedkv.modeling.weight_pieces import Piece, load_pieces
+from pagedkv.modeling.weight_pieces import Piece, expert_pieces, load_pieces
 
 
 class Qwen3NextRouter(nn.Module):
@@ -118,15 +117,4 @@ class Qwen3NextForCausalLM(DecoderLM):
     def _pieces(self, name: str) -> list[Piece]:
         if name.startswith("mtp.") or (name == "lm_head.weight" and self.tie):
             return []  # the multi-token-prediction head is not run; a tied head is the embedding
-        m = _PER_EXPERT.fullmatch(name)
-        if m is None:
-            return [(name, ())]
-        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-        size = self.config.moe_intermediate_size
-        if proj == "down_proj":
-            return [(f"{prefix}.down_proj", (e,))]
-        part = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-        return [(f"{prefix}.gate_up_proj", (e, part))]
-
-
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+        return expert_pieces(name, self.config.moe_intermediate_size)
