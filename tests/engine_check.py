@@ -83,3 +83,36 @@ def hf_greedy(hf, prompt: list[int], new: int) -> list[int]:
         seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                           min_new_tokens=new, do_sample=False, pad_token_id=0)[0].tolist()
     return seq[len(prompt):]
+
+
+# --- the scenarios every model test runs ---------------------------------------------------
+
+def preempted_logit_diff(hf, kv_cache_bytes: int, lengths=(13, 6, 19), *, seed: int = 3,
+                         new: int = 6) -> float:
+    """Prompts through a cache too small to hold them all (8-token steps, so prefills are
+    chunked): AssertionError unless a request was preempted; else the max logit diff."""
+    ps = prompts(hf.config.vocab_size, lengths, seed)
+    opts = options(kv_cache_bytes=kv_cache_bytes, max_model_len=32, max_batched_tokens=8)
+    engine = run(hf, ps, opts, new=new)
+    if engine.preemptions == 0:
+        raise AssertionError(f"no request was preempted with {kv_cache_bytes} cache bytes")
+    return max_logit_diff(hf, engine)
+
+
+def prefix_hits_and_logit_diff(hf, opts: EngineOptions | None = None, *, turn: bool = True,
+                               first_new: int = 3) -> tuple[list[int], float]:
+    """Prompt a (13 tokens), then a[:10] + b and, with ``turn``, a's whole turn + b, which
+    hit a's cached blocks: (their hit tokens, the max logit diff over all rows)."""
+    a, b = prompts(hf.config.vocab_size, (13, 6), seed=4)
+    opts = options(max_batched_tokens=8) if opts is None else opts
+    engine = run(hf, [a], opts, new=first_new)
+    later = [a[:10] + b] + ([a + engine.outputs[0].token_ids + b] if turn else [])
+    run(hf, later, opts, new=4, engine=engine)
+    return [engine.requests[o.rid].hit_tokens for o in engine.outputs[1:]], max_logit_diff(hf, engine)
+
+
+def greedy_tokens(hf, lengths, *, new: int = 8) -> tuple[list[list[int]], list[list[int]]]:
+    """(the engine's greedy tokens, transformers' ``generate``) per prompt, 6-token steps."""
+    ps = prompts(hf.config.vocab_size, lengths, seed=5)
+    engine = run(hf, ps, options(max_batched_tokens=6, record_logits=False), new=new)
+    return [out.token_ids for out in engine.outputs], [hf_greedy(hf, p, new) for p in ps]

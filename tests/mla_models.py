@@ -10,18 +10,22 @@ from engine_check import randomize_
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
+# DeepSeek-V2 and V3 alike: one dense layer then MoE with group-limited routing, MLA
+DEEPSEEK = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+    first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+    v_head_dim=12, max_position_embeddings=64,
+    eos_token_id=None,  # generate(min_new_tokens=...) would suppress it: plain argmax
+)
 
 
 def tiny_deepseek_v3(q_lora: bool, *, yarn: bool = True, interleave: bool = True, seed: int = 0):
     cfg = transformers.DeepseekV3Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        q_lora_rank=24 if q_lora else None, kv_lora_rank=32, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=64,
-        rope_interleave=interleave, num_nextn_predict_layers=0,
-        eos_token_id=None,  # generate(min_new_tokens=...) would suppress it: plain argmax
+        **DEEPSEEK, routed_scaling_factor=2.5, norm_topk_prob=True,
+        q_lora_rank=24 if q_lora else None, rope_interleave=interleave,
+        num_nextn_predict_layers=0,
         rope_parameters=dict(YARN) if yarn else {"rope_type": "default", "rope_theta": 10000.0},
     )
     torch.manual_seed(seed)
@@ -94,13 +98,8 @@ def layer_outputs(hf, seq, ids):
 def tiny_deepseek_v2(q_lora: bool, topk_method: str = "group_limited_greedy", seed: int = 0):
     """DeepSeek-V2: softmax router (greedy or group-limited), rope on interleaved pairs."""
     cfg = transformers.DeepseekV2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, routed_scaling_factor=1.5, topk_method=topk_method,
-        q_lora_rank=24 if q_lora else None, kv_lora_rank=32, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=64, eos_token_id=None,
-        rope_parameters=dict(YARN),
+        **DEEPSEEK, routed_scaling_factor=1.5, topk_method=topk_method,
+        q_lora_rank=24 if q_lora else None, rope_parameters=dict(YARN),
     )
     torch.manual_seed(seed)
     model = transformers.DeepseekV2ForCausalLM(cfg).eval()

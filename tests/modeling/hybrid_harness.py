@@ -3,11 +3,13 @@
 every plainly free page and state slot before each step, shuffled free lists) driven by a
 schedule the test writes, so that prefix hits, chunk boundaries, mid-chunk checkpoint saves
 and preemption land exactly where a scenario wants them. The engine's scheduler runs the
-same models in the engine-level tests. Every logit row is kept and compared with
+same models in the engine-level tests (tests/engine_check.py). Every logit row is kept and compared with
 transformers' dense forward of the request's whole sequence.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 
@@ -271,41 +273,56 @@ def checkpoint_round_trip(hf, model_class, tmp_path):
     return diff
 
 
-# --- the same models through the engine's scheduler (tests/engine_check.py) ---------------
+# --- the tiny models ---------------------------------------------------------------------
 
-def engine_preemption(hf, kv_cache_bytes):
-    """A cache too small for three long requests at once: the scheduler preempts, the
-    victims recompute (their state slots are new, their checkpoints may be gone)."""
-    from engine_check import max_logit_diff, options, prompts, run
-
-    ps = prompts(hf.config.vocab_size, (21, 23, 25), seed=3)
-    opts = options(kv_cache_bytes=kv_cache_bytes, max_model_len=32, max_batched_tokens=8)
-    engine = run(hf, ps, opts, new=7)
-    expect(engine.preemptions > 0, "the scenario did not preempt")
-    return max_logit_diff(hf, engine)
+class Tiny(NamedTuple):
+    hf: Any  # transformers' model (fp32, random perturbed weights)
+    ours: Any  # the native model with the same weights
+    config: Any
+    preempt_bytes: int  # an engine cache small enough that three long requests preempt
 
 
-def engine_prefix_hits(hf, every, want_hits):
-    """A second generate call on the same engine: one request shares a's first 10 tokens,
-    one extends a's whole turn (19 tokens); their hits come from recurrent checkpoints (by
-    default the last boundary a computed, 16; with ``every`` also every block)."""
-    from engine_check import max_logit_diff, options, prompts, run
+def tiny(name: str) -> Tiny:
+    """``"nemotron_h"``: every block kind (Mamba-2, MLP, attention, MoE), Mamba chunks (4)
+    shorter than the prompts; ``"qwen3_next"``: both mixers, a dense MLP and a MoE layer,
+    a partial RoPE."""
+    import transformers
 
-    a, b = prompts(hf.config.vocab_size, (13, 6), seed=4)
-    opts = options(max_batched_tokens=8, recurrent_checkpoint_every=every)
-    engine = run(hf, [a], opts, new=6)
-    turn = a + engine.outputs[0].token_ids
-    run(hf, [a[:10] + b, turn + b], opts, new=4, engine=engine)
-    hits = [engine.requests[o.rid].hit_tokens for o in engine.outputs[1:]]
-    expect(hits == want_hits, f"hits {hits}, want {want_hits}")
-    return max_logit_diff(hf, engine)
+    if name == "nemotron_h":
+        from pagedkv.modeling.nemotron_h import NemotronHForCausalLM as ours_cls
+
+        config = transformers.NemotronHConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=8,
+            ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=4, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16, n_group=2, topk_group=1,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "moe",
+                               "linear_attention", "mlp"],
+            dtype="float32", max_position_embeddings=64,
+        )
+        hf_cls, seed, preempt_bytes = transformers.NemotronHForCausalLM, 2, 18000
+    elif name == "qwen3_next":
+        from pagedkv.modeling.qwen3_next import Qwen3NextForCausalLM as ours_cls
+
+        config = transformers.Qwen3NextConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            decoder_sparse_step=2, full_attention_interval=2, dtype="float32",
+            max_position_embeddings=64,
+        )
+        hf_cls, seed, preempt_bytes = transformers.Qwen3NextForCausalLM, 1, 40000
+    else:
+        raise ValueError(f"no tiny hybrid model {name!r}")
+    torch.manual_seed(0)
+    hf = hf_cls(config).eval()
+    perturb_(hf, seed=seed)
+    ours = ours_cls(config).eval()
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return Tiny(hf, ours, config, preempt_bytes)
 
 
-def engine_greedy(hf):
-    from engine_check import hf_greedy, options, prompts, run
-
-    ps = prompts(hf.config.vocab_size, (5, 11, 3), seed=5)
-    engine = run(hf, ps, options(max_batched_tokens=6, record_logits=False), new=8)
-    for out, p in zip(engine.outputs, ps):
-        want = hf_greedy(hf, p, 8)
-        expect(out.token_ids == want, f"{out.token_ids} != generate's {want}")
+HYBRIDS = ("nemotron_h", "qwen3_next")

@@ -9,15 +9,7 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine_check import (  # noqa: E402
-    budget_for,
-    hf_greedy,
-    max_logit_diff,
-    options,
-    prompts,
-    randomize_,
-    run,
-)
+import engine_check as ec  # noqa: E402
 
 
 def tiny(final_cap=3.0):
@@ -33,7 +25,7 @@ def tiny(final_cap=3.0):
         })
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(cfg).eval()
-    randomize_(model, 2)
+    ec.randomize_(model, 2)
     return model
 
 
@@ -46,29 +38,18 @@ def test_layers_alternate_five_local_one_global():
 
 def test_logits_through_chunks_and_preemption():
     hf = tiny()
-    a, b, c = prompts(96, (13, 6, 19), seed=3)
-    engine = run(hf, [a, b, c], options(kv_cache_bytes=budget_for(hf, 22), max_model_len=32,
-                                        max_batched_tokens=8), new=6)
-    assert engine.preemptions > 0
-    assert max_logit_diff(hf, engine) <= 1e-4
+    assert ec.preempted_logit_diff(hf, ec.budget_for(hf, 22)) <= ec.TOL
 
 
 def test_logits_with_prefix_hits_without_final_cap():
-    hf = tiny(final_cap=None)
-    a, b = prompts(96, (13, 6), seed=4)
-    opts = options(max_batched_tokens=8)
-    engine = run(hf, [a], opts, new=3)
-    run(hf, [a[:10] + b], opts, new=4, engine=engine)
-    assert engine.requests[engine.outputs[1].rid].hit_tokens == 8
-    assert max_logit_diff(hf, engine) <= 1e-4
+    hits, diff = ec.prefix_hits_and_logit_diff(tiny(final_cap=None), turn=False)
+    assert hits == [8]
+    assert diff <= ec.TOL
 
 
 def test_greedy_tokens_equal_transformers_generate():
-    hf = tiny()
-    ps = prompts(96, (5, 11, 3), seed=5)
-    engine = run(hf, ps, options(max_batched_tokens=6, record_logits=False), new=8)
-    for out, p in zip(engine.outputs, ps):
-        assert out.token_ids == hf_greedy(hf, p, 8)
+    ours, theirs = ec.greedy_tokens(tiny(), (5, 11, 3))
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])

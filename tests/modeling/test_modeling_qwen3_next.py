@@ -1,86 +1,19 @@
-"""Qwen3-Next over pagedkv against transformers (tiny fp32 models, random weights).
-
-Gated delta net state lives in pagedkv state slots, full-attention K/V in paged blocks;
-logits must equal transformers' dense forward within 1e-4 at every computed position, and
-greedy generation must equal ``generate`` token for token (scenarios: hybrid_harness).
-"""
+"""Qwen3-Next (gated delta net hybrid): the tiny model the scenarios run
+(test_modeling_hybrids) has both mixers, a dense MLP and a MoE layer, and a partial RoPE."""
 
 from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
 
 import hybrid_harness as hh  # noqa: E402
 
-from pagedkv.modeling.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def models():
-    config = transformers.Qwen3NextConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        decoder_sparse_step=2, full_attention_interval=2, dtype="float32",
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    hf = transformers.Qwen3NextForCausalLM(config).eval()
-    hh.perturb_(hf, seed=1)
-    ours = Qwen3NextForCausalLM(config).eval()
-    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=True)
-    return hf, ours, config
-
-
-def test_layer_mix(models):
-    """The tiny model has both mixers, a dense MLP and a MoE layer, and a partial RoPE."""
-    _, ours, config = models
-    assert config.layer_types == ["linear_attention", "full_attention"] * 2
-    kinds = {type(layer.mlp).__name__ for layer in ours.model.layers}
+def test_layer_mix():
+    tiny = hh.tiny("qwen3_next")
+    assert tiny.config.layer_types == ["linear_attention", "full_attention"] * 2
+    kinds = {type(layer.mlp).__name__ for layer in tiny.ours.model.layers}
     assert kinds == {"GatedMLP", "Qwen3NextSparseMoe"}
-    assert ours.model.layers[1].self_attn.rotary_dim < ours.model.layers[1].self_attn.head_dim
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_prefill_chunked_prefill_and_decode_in_one_batch(models, seed):
-    assert hh.mixed_batch(*models, seed=seed) <= hh.TOL
-
-
-def test_prefix_hit_restored_from_mid_chunk_checkpoint(models):
-    assert hh.prefix_hit_interval(*models) <= hh.TOL
-
-
-def test_prefix_hit_takes_the_checkpoint_over_when_no_slot_is_free(models):
-    assert hh.prefix_hit_take_over(*models) <= hh.TOL
-
-
-def test_prefix_hit_next_turn_default_policy(models):
-    assert hh.prefix_hit_next_turn(*models) <= hh.TOL
-
-
-@pytest.mark.parametrize("every", [None, 2])
-def test_preempted_then_recomputed(models, every):
-    assert hh.preempt_recompute(*models, every=every) <= hh.TOL
-
-
-def test_checkpoint_round_trip(models, tmp_path):
-    assert hh.checkpoint_round_trip(models[0], Qwen3NextForCausalLM, tmp_path) <= hh.TOL
-
-
-# --- through the engine (scheduler, runner, loader from the in-memory model) -------------
-
-def test_engine_logits_with_preemption(models):
-    assert hh.engine_preemption(models[0], kv_cache_bytes=40000) <= hh.TOL
-
-
-@pytest.mark.parametrize("every, hits", [(None, [0, 16]), (1, [8, 16])])
-def test_engine_logits_with_checkpoint_prefix_hits(models, every, hits):
-    assert hh.engine_prefix_hits(models[0], every, hits) <= hh.TOL
-
-
-def test_engine_greedy_tokens_equal_transformers_generate(models):
-    hh.engine_greedy(models[0])  # raises on the first differing request
+    assert tiny.ours.model.rotary_emb.rotary_dim < tiny.ours.model.layers[1].self_attn.head_dim

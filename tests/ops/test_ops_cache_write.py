@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dense_reference import decode_ds_mla_entry, test_device  # noqa: E402
-from kernel_cases import only_on_gpu  # noqa: E402
+from kernel_cases import INTERPRETER_WARNINGS, only_on_gpu  # noqa: E402
 
 from pagedkv.errors import InvalidArgumentError, MetadataError  # noqa: E402
 from pagedkv.ops import (  # noqa: E402
@@ -20,8 +20,7 @@ from pagedkv.ops import (  # noqa: E402
 )
 
 DEVICE = test_device()
-# Triton's interpreter (CPU runs of the triton backend) warns on every scalar index
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = INTERPRETER_WARNINGS
 
 
 def _random_slots(num_slots: int, n: int, pad: int, seed: int) -> list[int]:

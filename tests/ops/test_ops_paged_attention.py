@@ -19,17 +19,14 @@ from dense_reference import (  # noqa: E402
 )
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from kernel_cases import only_on_gpu  # noqa: E402
+from kernel_cases import EXACT, INTERPRETER_WARNINGS, only_on_gpu  # noqa: E402
 
 from pagedkv.errors import InvalidArgumentError, MetadataError  # noqa: E402
 from pagedkv.kvspec import Attention  # noqa: E402
 from pagedkv.ops import Mask, fill_nan_, paged_attention, write_kv  # noqa: E402
 
 DEVICE = test_device()
-# Triton's interpreter (CPU runs of the triton backend) warns on every scalar index
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-# float64 reference vs float64 compute (torch) or float32 accumulation (triton kernels)
-EXACT = {"torch": dict(rtol=1e-9, atol=1e-9), "triton": dict(rtol=2e-4, atol=2e-4)}
+pytestmark = INTERPRETER_WARNINGS
 PAD_ROWS = 2  # query rows past query_start_loc[-1]
 
 

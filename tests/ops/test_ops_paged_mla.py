@@ -18,7 +18,7 @@ from dense_reference import (  # noqa: E402
     slots_of,
     test_device,
 )
-from kernel_cases import only_on_gpu  # noqa: E402
+from kernel_cases import EXACT, INTERPRETER_WARNINGS, only_on_gpu  # noqa: E402
 
 from pagedkv.errors import InvalidArgumentError  # noqa: E402
 from pagedkv.ops import (  # noqa: E402
@@ -32,10 +32,7 @@ from pagedkv.ops import (  # noqa: E402
 )
 
 DEVICE = test_device()
-# Triton's interpreter (CPU runs of the triton backend) warns on every scalar index
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-# float64 reference vs float64 compute (torch) or float32 accumulation (triton kernels)
-EXACT = {"torch": dict(rtol=1e-9, atol=1e-9), "triton": dict(rtol=2e-4, atol=2e-4)}
+pytestmark = INTERPRETER_WARNINGS
 RANK, ROPE, HEADS, D_NOPE, D_V = 128, 8, 4, 8, 6
 FP8_SCALE = 2.0**-6  # exact in float32
 STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel, PreNormLayer
 from pagedkv.modeling.layers import _ACTS, GatedMLP, RMSNorm
 from pagedkv.modeling.mla import MLAAttention, MLARope
-from pagedkv.modeling.weight_pieces import Piece, load_pieces
+from pagedkv.modeling.weight_pieces import Piece, expert_pieces, load_pieces
 
 
 def num_experts(config: Any) -> int:
@@ -114,7 +114,7 @@ class MoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         self.self_attn = MLAAttention(config, f"model.layers.{index}.self_attn")
@@ -124,53 +124,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: MLARope | None,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
-
-class DeepseekV3Model(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = MLARope(config)
-
-
-class DeepseekV3ForCausalLM(CausalLM):
+class DeepseekV3ForCausalLM(CapturingDecoderLM):
     """DeepSeek-V3, and DeepSeek-V2 (``model_type`` deepseek_v2: softmax router, rope on
     interleaved pairs)."""
 
     architectures = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.model = DeepseekV3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.last_hidden: torch.Tensor | None = None
-        # drafters conditioned on target layers (DSpark) set the layer indices to keep;
-        # ``captured`` is then those layers' outputs, concatenated per row
-        self.capture_layers: tuple[int, ...] = ()
-        self.captured: torch.Tensor | None = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        kept = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.model.rotary_emb, ctx)
-            if i in self.capture_layers:
-                kept.append(x)
-        self.captured = torch.cat(kept, dim=-1) if kept else None
-        self.last_hidden = self.model.norm(x)  # the rows an MTP drafter reads
-        return self.last_hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, DecoderModel(config, DecoderLayer, norm, MLARope(config)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (per-expert as saved, or stacked as in memory) -> parameters."""
@@ -180,23 +143,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         m = _LAYER.match(name)
         if m is not None and int(m.group(1)) >= self.config.num_hidden_layers:
             return []  # multi-token-prediction layers: the MTP drafter's, not the target's
-        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+        if name == "lm_head.weight" and self.tie:
             return []
         return expert_pieces(name, self.config.moe_intermediate_size)
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-def expert_pieces(name: str, size: int) -> list[Piece]:
-    """Per-expert checkpoint names -> slices of the stacked expert parameters; any other
-    name -> the whole parameter of that name."""
-    m = _PER_EXPERT.fullmatch(name)
-    if m is None:
-        return [(name, ())]
-    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    if proj == "down_proj":
-        return [(f"{prefix}.down_proj", (e,))]
-    part = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-    return [(f"{prefix}.gate_up_proj", (e, part))]

@@ -7,12 +7,15 @@ text checkpoints and the language model of multimodal ones (vision weights skipp
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.attention import GQAAttention
+from pagedkv.modeling.base import ForwardContext
+from pagedkv.modeling.decoder import DecoderLM, DecoderModel
 from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope
 
 _MULTIMODAL = "model.language_model."
@@ -21,38 +24,14 @@ _SKIP = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
          "multi_modal_projector.")
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: Any, index: int) -> None:
-        super().__init__()
-        self.name = f"model.layers.{index}.self_attn"
-        self.layer_type = config.layer_types[index]
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = config.query_pre_attn_scalar ** -0.5
-        h, bias = config.hidden_size, bool(config.attention_bias)
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=True)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=True)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
-        return self.o_proj(ctx.attend(self.name, q, k, v, scale=self.scale).reshape(t, -1))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, index)
+        self.layer_type = config.layer_types[index]  # picks the layer's rope
+        self.self_attn = GQAAttention(
+            config, f"model.layers.{index}.self_attn", scale=config.query_pre_attn_scalar ** -0.5,
+            qk_norm=partial(RMSNorm, eps=eps, offset=True))
         self.mlp = GatedMLP(h, config.intermediate_size, act=config.hidden_activation)
         self.input_layernorm = RMSNorm(h, eps, offset=True)
         self.post_attention_layernorm = RMSNorm(h, eps, offset=True)
@@ -66,49 +45,35 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
-        self.ropes = nn.ModuleDict({
-            kind: Rope(config, config.head_dim, kind) for kind in sorted(set(config.layer_types))})
+class Gemma3ForCausalLM(DecoderLM):
+    """Embeddings scaled by sqrt(hidden); each layer rotates with its layer type's rope."""
 
-
-class Gemma3ForCausalLM(CausalLM):
     architectures = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.text_config = text
-        self.model = Gemma3Model(text)
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie = bool(getattr(text, "tie_word_embeddings", True)) or bool(
+        norm = RMSNorm(text.hidden_size, text.rms_norm_eps, offset=True)
+        ropes = nn.ModuleDict({
+            kind: Rope(text, text.head_dim, kind) for kind in sorted(set(text.layer_types))})
+        tie = bool(getattr(text, "tie_word_embeddings", True)) or bool(
             getattr(config, "tie_word_embeddings", False))
-        if self.tie:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, DecoderModel(text, Gemma3DecoderLayer, norm, ropes), tie=tie)
+        self.text_config = text
         self.embed_scale = text.hidden_size ** 0.5
         self.final_cap = getattr(text, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.model.embed_tokens
-        x = emb(input_ids) * torch.tensor(self.embed_scale, dtype=emb.weight.dtype)
-        for layer in self.model.layers:
-            x = layer(x, positions, self.model.ropes[layer.self_attn.layer_type], ctx)
-        return self.model.norm(x)
+        return emb(input_ids) * torch.tensor(self.embed_scale, dtype=emb.weight.dtype)
+
+    def rope_for(self, layer: nn.Module) -> nn.Module:
+        return self.model.rotary_emb[layer.layer_type]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.final_cap:
             logits = torch.tanh(logits / self.final_cap) * self.final_cap
         return logits
-
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie else {}
 
     def weight_name(self, name: str) -> str | None:
         if name.startswith(_SKIP):

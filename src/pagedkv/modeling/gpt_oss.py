@@ -15,33 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import WeightError
-from pagedkv.modeling.base import CausalLM, ForwardContext
-from pagedkv.modeling.layers import RMSNorm, Rope
-
-
-class GptOssAttention(nn.Module):
-    def __init__(self, config: Any, index: int) -> None:
-        super().__init__()
-        self.name = f"model.layers.{index}.self_attn"
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        h, bias = config.hidden_size, bool(config.attention_bias)
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
-        self.sinks = nn.Parameter(torch.zeros(self.heads))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
-        out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5, sinks=self.sinks)
-        return self.o_proj(out.reshape(t, -1))
+from pagedkv.modeling.attention import GQAAttention
+from pagedkv.modeling.decoder import DecoderLM, DecoderModel, PreNormLayer
+from pagedkv.modeling.layers import RMSNorm, Rope, head_dim
 
 
 class GptOssRouter(nn.Module):
@@ -93,52 +69,23 @@ class GptOssMLP(nn.Module):
         return self.experts(x, ids, weights)
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormLayer):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = GptOssAttention(config, index)
+        self.self_attn = GQAAttention(config, f"model.layers.{index}.self_attn", sinks=True)
         self.mlp = GptOssMLP(config)
         self.input_layernorm = RMSNorm(h, eps, cast_after=True)
         self.post_attention_layernorm = RMSNorm(h, eps, cast_after=True)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
-
-class GptOssModel(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_after=True)
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
-        self.rotary_emb = Rope(config, head_dim)
-
-
-class GptOssForCausalLM(CausalLM):
+class GptOssForCausalLM(DecoderLM):
     architectures = ("GptOssForCausalLM",)
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.model = GptOssModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary_emb, ctx)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_after=True)
+        super().__init__(config, DecoderModel(config, GptOssDecoderLayer, norm,
+                                              Rope(config, head_dim(config))))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Plain tensors, or the released MXFP4 experts (``*_blocks`` + ``*_scales``),

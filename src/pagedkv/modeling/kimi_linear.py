@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import UnsupportedArchitectureError
-from pagedkv.modeling.base import CausalLM, ForwardContext
-from pagedkv.modeling.deepseek_v3 import MoE, expert_pieces
+from pagedkv.modeling.base import ForwardContext
+from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel, PreNormLayer
+from pagedkv.modeling.deepseek_v3 import MoE
 from pagedkv.modeling.layers import GatedMLP, RMSNorm
 from pagedkv.modeling.mla import MLAAttention
 from pagedkv.modeling.recurrent_state import StateDict, causal_conv, run_segments
-from pagedkv.modeling.weight_pieces import Piece, load_pieces
+from pagedkv.modeling.weight_pieces import Piece, expert_pieces, load_pieces
 
 
 @cache
@@ -126,7 +127,7 @@ class KimiDeltaAttention(nn.Module):
         return [out], {"conv": conv_state, "recurrent": final.float()}
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
         kind = config.layer_types[index]
@@ -144,48 +145,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, None, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
+class KimiLinearForCausalLM(CapturingDecoderLM):
+    """No shared rope: MLA layers use the rope part of their latent unrotated."""
 
-class KimiLinearModel(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class KimiLinearForCausalLM(CausalLM):
     architectures = ("KimiLinearForCausalLM",)
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.model = KimiLinearModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.last_hidden: torch.Tensor | None = None
-        # drafters conditioned on target layers (DSpark) set the layer indices to keep;
-        # ``captured`` is then those layers' outputs, concatenated per row
-        self.capture_layers: tuple[int, ...] = ()
-        self.captured: torch.Tensor | None = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        kept = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, ctx)
-            if i in self.capture_layers:
-                kept.append(x)
-        self.captured = torch.cat(kept, dim=-1) if kept else None
-        self.last_hidden = self.model.norm(x)  # the rows a drafter reads
-        return self.last_hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, DecoderModel(config, DecoderLayer, norm))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (per-expert as saved, or stacked as in memory) -> parameters."""
@@ -195,7 +163,7 @@ class KimiLinearForCausalLM(CausalLM):
         """In-memory names as they are; checkpoint names as Moonshot saves them
         (``block_sparse_moe``, experts' w1/w2/w3, separate q/k/v convs, forget-gate
         tensors on the attention module) mapped onto the same parameters."""
-        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+        if name == "lm_head.weight" and self.tie:
             return []
         name = name.replace(".block_sparse_moe.", ".mlp.")
         name = _FORGET.sub(r"self_attn.forget_gate.\1", name)

@@ -1,4 +1,5 @@
-"""Building blocks shared by the native models: RMSNorm (plain and 1 + w), RoPE, gated MLP.
+"""Building blocks shared by the native models: RMSNorm (plain and 1 + w), RoPE, gated MLP,
+the head size a config implies.
 
 RoPE frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` (llama3, yarn,
 linear... scaling), so the native models rotate exactly as the checkpoints were trained.
@@ -11,6 +12,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def head_dim(config: Any) -> int:
+    """Attention head size: the config's ``head_dim``, else hidden size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class RMSNorm(nn.Module):
@@ -36,10 +42,11 @@ class RMSNorm(nn.Module):
 
 
 class Rope(nn.Module):
-    """Rotate-half RoPE over the whole head; ``layer_type`` picks per-type parameters
-    (Gemma 3's local and global bases)."""
+    """Rotate-half RoPE over the leading ``rotary_dim`` of each head (all of it unless
+    ``partial_rotary_factor`` says less; the rest passes through); ``layer_type`` picks
+    per-type parameters (Gemma 3's local and global bases)."""
 
-    def __init__(self, config: Any, head_dim: int, layer_type: str | None = None) -> None:
+    def __init__(self, config: Any, rotary_dim: int, layer_type: str | None = None) -> None:
         super().__init__()
         params = config.rope_parameters
         if layer_type is not None and isinstance(params.get(layer_type), dict):
@@ -49,7 +56,7 @@ class Rope(nn.Module):
         kind = params.get("rope_type", "default")
         if kind == "default":
             theta = params["rope_theta"]
-            inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
             scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -59,6 +66,11 @@ class Rope(nn.Module):
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.scaling = float(scaling)
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of a head this rotates."""
+        return 2 * self.inv_freq.shape[0]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hk, D] rotated at ``positions`` [T]."""
@@ -66,7 +78,15 @@ class Rope(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         cos = (emb.cos() * self.scaling).to(q.dtype)[:, None]
         sin = (emb.sin() * self.scaling).to(q.dtype)[:, None]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    head = x[..., :r]
+    return torch.cat([head * cos + _rotate_half(head) * sin, x[..., r:]], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

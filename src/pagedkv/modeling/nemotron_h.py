@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import UnsupportedArchitectureError
+from pagedkv.modeling.attention import GQAAttention
 from pagedkv.modeling.base import CausalLM, ForwardContext
 from pagedkv.modeling.mamba2 import Mamba2Mixer
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
@@ -46,28 +47,6 @@ class RMSNorm(nn.Module):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * y).to(x.dtype)
-
-
-class NemotronHAttention(nn.Module):
-    def __init__(self, config: Any, name: str) -> None:
-        super().__init__()
-        self.name = name
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(t, -1))
 
 
 class NemotronHMLP(nn.Module):
@@ -159,7 +138,7 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(config)
             self.state_name = f"model.layers.{index}.mamba"
         elif self.kind == "full_attention":
-            self.mixer = NemotronHAttention(config, f"model.layers.{index}.self_attn")
+            self.mixer = GQAAttention(config, f"model.layers.{index}.self_attn", bias=False)
         elif self.kind == "mlp":
             self.mixer = NemotronHMLP(config)
         elif self.kind == "moe":
@@ -175,7 +154,7 @@ class NemotronHBlock(nn.Module):
         if self.kind == "linear_attention":
             h = self.mixer(h, *ctx.recurrent(self.state_name))
         elif self.kind == "full_attention":
-            h = self.mixer(h, ctx)
+            h = self.mixer(h, None, None, ctx)  # no positional encoding
         else:
             h = self.mixer(h)
         return x + h

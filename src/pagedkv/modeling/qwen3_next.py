@@ -9,52 +9,20 @@ the Hugging Face checkpoint; per-expert checkpoint tensors load into stacked exp
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.attention import GQAAttention
+from pagedkv.modeling.base import ForwardContext
+from pagedkv.modeling.decoder import DecoderLM, DecoderModel
 from pagedkv.modeling.gated_delta_net import GatedDeltaNet
-from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope
-from pagedkv.modeling.weight_pieces import Piece, load_pieces
-
-
-class Qwen3NextAttention(nn.Module):
-    def __init__(self, config: Any, name: str) -> None:
-        super().__init__()
-        self.name = name
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        self.rotary_dim = int(self.head_dim * factor)
-        bias = config.attention_bias
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=True)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=True)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        r = self.rotary_dim
-        q_rot, k_rot = rope(q[..., :r], k[..., :r], positions)
-        q = torch.cat([q_rot, q[..., r:]], dim=-1)
-        k = torch.cat([k_rot, k[..., r:]], dim=-1)
-        out = ctx.attend(self.name, q, k, v, scale=self.head_dim**-0.5)
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim
+from pagedkv.modeling.weight_pieces import Piece, expert_pieces, load_pieces
 
 
 class Qwen3NextRouter(nn.Module):
@@ -110,7 +78,9 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config)
             self.mixer_name = f"model.layers.{index}.linear_attn"
         else:
-            self.self_attn = Qwen3NextAttention(config, f"model.layers.{index}.self_attn")
+            self.self_attn = GQAAttention(
+                config, f"model.layers.{index}.self_attn", output_gate=True,
+                qk_norm=partial(RMSNorm, eps=config.rms_norm_eps, offset=True))
         sparse = (index not in config.mlp_only_layers and config.num_experts > 0
                   and (index + 1) % config.decoder_sparse_step == 0)
         self.mlp = Qwen3NextSparseMoe(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size)
@@ -129,59 +99,22 @@ class Qwen3NextDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextModel(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
-        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        self.rotary_emb = Rope(config, int(head_dim * factor))
-
-
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(DecoderLM):
     """Packed rows in, hidden states out; ``compute_logits`` for the rows sampled."""
 
     architectures = ("Qwen3NextForCausalLM",)
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb
-        for layer in self.model.layers:
-            x = layer(x, positions, rope, ctx)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        rope = Rope(config, int(head_dim(config) * factor))  # rotates that part of each head
+        super().__init__(config, DecoderModel(config, Qwen3NextDecoderLayer, norm, rope))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (per-expert as saved, or stacked as in memory) -> parameters."""
         return load_pieces(self, weights, self._pieces)
 
     def _pieces(self, name: str) -> list[Piece]:
-        if name.startswith("mtp.") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+        if name.startswith("mtp.") or (name == "lm_head.weight" and self.tie):
             return []  # the multi-token-prediction head is not run; a tied head is the embedding
-        m = _PER_EXPERT.fullmatch(name)
-        if m is None:
-            return [(name, ())]
-        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-        size = self.config.moe_intermediate_size
-        if proj == "down_proj":
-            return [(f"{prefix}.down_proj", (e,))]
-        part = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-        return [(f"{prefix}.gate_up_proj", (e, part))]
-
-
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+        return expert_pieces(name, self.config.moe_intermediate_size)

@@ -8,6 +8,7 @@ and persistent buffer must end up covered exactly once, with matching shapes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,6 +17,22 @@ from torch import nn
 from pagedkv.errors import WeightError
 
 Piece = tuple[str, tuple]  # (parameter or buffer name, index into it; () for all of it)
+
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def expert_pieces(name: str, size: int) -> list[Piece]:
+    """Per-expert checkpoint names (``...mlp.experts.{e}.gate_proj.weight``...) -> slices
+    of the stacked ``gate_up_proj`` [E, 2 * size, H] and ``down_proj`` [E, H, size]; any
+    other name -> the whole parameter of that name."""
+    m = _PER_EXPERT.fullmatch(name)
+    if m is None:
+        return [(name, ())]
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj == "down_proj":
+        return [(f"{prefix}.down_proj", (e,))]
+    part = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
+    return [(f"{prefix}.gate_up_proj", (e, part))]
 
 
 def load_pieces(

@@ -19,6 +19,7 @@ with ``latent_scale``, or uint8 fp8_ds_mla entries (see ``fp8``). The scale defa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -107,13 +108,18 @@ def paged_mla(
     latent_scale: float | torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
+    latent_op: Callable[..., torch.Tensor] = paged_mla_latent,
 ) -> torch.Tensor:
-    """MLA output [T, H, Dv]: absorb W_UK, attend over the latent cache, project by W_UV."""
+    """MLA output [T, H, Dv]: absorb W_UK, attend over the latent cache, project by W_UV.
+
+    ``latent_op``: the attention over the latent cache, with the arguments of
+    :func:`paged_mla_latent` (the Triton kernel takes its place on that backend).
+    """
     rope_dim = 0 if q_rope is None else q_rope.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(q_nope.shape[-1] + rope_dim)
     q_latent = absorb_query(q_nope.to(compute_dtype), w_uk)
-    o_latent = paged_mla_latent(
+    o_latent = latent_op(
         q_latent,
         None if q_rope is None else q_rope.to(compute_dtype),
         latent_cache,
