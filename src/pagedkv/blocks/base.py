@@ -72,7 +72,9 @@ class GroupManager:
             return self.blocks_needed(req, end, hit), []
         ref = self.pool.ref
         null = self.pool.null
-        revived = [b for b in hit if b != null and ref[b] == 0]
+        # usually every hit block is held by another request: one pass in C says so
+        revived = ([b for b in hit if b != null and ref[b] == 0]
+                   if 0 in map(ref.__getitem__, hit) else [])
         if type(self).blocks_needed is GroupManager.blocks_needed:  # its sum, not done twice
             adopted = len(hit) - (1 if req.pending.tokens % self.bs else 0)
             return max(0, cdiv(end, self.bs) - adopted), revived
@@ -105,7 +107,8 @@ class GroupManager:
     def commit(self, req: RequestState) -> int:
         """Offer blocks now full of committed tokens to the cache; return the committed
         count at which this group next has work."""
-        self.release_copy_source(req)
+        if req.copy_src[self.index] is not None:
+            self.release_copy_source(req)
         return self.offer(req, req.num_computed)
 
     def release_copy_source(self, req: RequestState) -> None:

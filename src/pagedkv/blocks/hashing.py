@@ -40,9 +40,37 @@ def _extend_fast(tokens: Sequence[int], start: int, stop: int, bs: int, parent: 
                  out: list) -> None:
     h = parent
     append = out.append
-    for lo in range(start * bs, stop * bs, bs):
-        h = hash((h, tuple(tokens[lo:lo + bs])))
-        append(h)
+    run = tokens[start * bs:stop * bs]
+    if stop - start < _FAST_CHUNK:
+        for block in zip(*[iter(run)] * bs):  # the blocks' tuples, cut in C
+            h = hash((h, block))
+            append(h)
+        return
+    chunks = _FAST_CHUNKS
+    span = bs * _FAST_CHUNK
+    for off in range(0, len(run), span):
+        part = tuple(run[off:off + span])
+        key = (h, part)
+        known = chunks.get(key)  # compares the whole key: the same keys as hashing it
+        if known is None:
+            first = len(out)
+            for block in zip(*[iter(part)] * bs):
+                h = hash((h, block))
+                append(h)
+            if len(part) == span:
+                if len(chunks) >= _SHA_CHUNKS_MAX:
+                    chunks.clear()
+                chunks[key] = tuple(out[first:])
+        else:
+            out += known
+            h = known[-1]
+
+
+# Runs of ``_FAST_CHUNK`` blocks of the fast hash: (parent, the run's tokens) -> the
+# blocks' keys; a shared prompt prefix is looked up in a few steps (the dict compares
+# whole keys). Bounded like the sha256 runs below.
+_FAST_CHUNK = 8
+_FAST_CHUNKS: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
 
 
 def _bytes_extender(width: int, digest: Callable[[bytes], int]) -> Extender:
@@ -81,11 +109,14 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
         return
     sha256 = hashlib.sha256
     from_bytes = int.from_bytes
-    append = out.append
     h = parent.to_bytes(32, "little")
+    run = tokens[start * bs:stop * bs]
+    if stop - start == 1:  # a block filled while decoding: one link, not worth a memo entry
+        out.append(from_bytes(sha256(h + _block_bytes(run)).digest(), "little"))
+        return
+    append = out.append
     arr = array("I")
     try:  # one conversion for the whole range: the common case
-        run = tokens[start * bs:stop * bs]
         arr.fromlist(run if type(run) is list else list(run))  # faster than array("I", run)
         buf = arr.tobytes()
     except OverflowError:
@@ -94,28 +125,57 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
             append(from_bytes(h, "little"))
         return
     step = bs * 4
-    memo = _SHA_MEMO
-    get = memo.get
-    for off in range(0, len(buf), step):
-        link = h + buf[off:off + step]
-        known = get(link)
-        if known is None:
-            h = sha256(link).digest()
-            if len(memo) >= _SHA_MEMO_MAX:
-                memo.clear()
-            memo[link] = known = (h, from_bytes(h, "little"))
+    span = step * _SHA_CHUNK
+    links = _SHA_MEMO
+    get_link = links.get
+    chunks = _SHA_CHUNKS
+    off = 0
+    end = len(buf)
+    while off < end:
+        stop_off = off + span
+        chunk_key = None
+        if stop_off <= end:  # a whole chunk: one lookup for _SHA_CHUNK links
+            chunk_key = h + buf[off:stop_off]
+            known_chunk = chunks.get(chunk_key)
+            if known_chunk is not None:
+                h = known_chunk[0]
+                out += known_chunk[1]
+                off = stop_off
+                continue
         else:
-            h = known[0]
-        append(known[1])
+            stop_off = end
+        first = len(out)
+        for o in range(off, stop_off, step):
+            link = h + buf[o:o + step]
+            known = get_link(link)
+            if known is None:
+                h = sha256(link).digest()
+                if len(links) >= _SHA_MEMO_MAX:
+                    links.clear()
+                links[link] = known = (h, from_bytes(h, "little"))
+            else:
+                h = known[0]
+            append(known[1])
+        if chunk_key is not None:
+            if len(chunks) >= _SHA_CHUNKS_MAX:
+                chunks.clear()
+            chunks[chunk_key] = (h, tuple(out[first:]))
+        off = stop_off
 
 
 # Recent chain links of ``sha256``: the exact input (parent digest + block bytes) -> its
-# digest. A prefix many requests share (a system prompt) is then hashed once, not once
-# per request; the dict compares whole inputs, so this is SHA-256 exactly (no new
-# collisions), and the parent digest carries the secret and salts. Bounded: cleared
-# when full (at most ~16 MiB at blocks of 16 tokens).
+# digest; and runs of ``_SHA_CHUNK`` links: parent digest + the run's bytes -> the last
+# digest and every link's key. A prefix many requests share (a system prompt) is then
+# hashed once, not once per request, and looked up in a few steps; the dicts compare
+# whole inputs, so this is SHA-256 exactly (no new collisions), and the parent digest
+# carries the secret and salts. Bounded: each is cleared when full (at most ~16 MiB of
+# links at blocks of 16 tokens, ~6 MiB of runs). A run and a link of another block size
+# can have inputs of one length: they live in separate dicts.
 _SHA_MEMO: dict[bytes, tuple[bytes, int]] = {}
 _SHA_MEMO_MAX = 1 << 16
+_SHA_CHUNK = 8
+_SHA_CHUNKS: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}
+_SHA_CHUNKS_MAX = 1 << 13
 
 
 def _xxh3_extender() -> Extender:
