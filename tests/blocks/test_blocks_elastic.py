@@ -93,6 +93,35 @@ def test_with_room_for_everything_elastic_pools_decide_as_fixed_pools(groups, se
     assert a[-1][3] > 0  # the pools were small enough to evict: the LRU agreed too
 
 
+@pytest.mark.parametrize("budget", [None, 18 * 32 * KIB, 1 << 30],
+                         ids=["fixed", "tight-budget", "ample-budget"])
+def test_the_decode_fast_path_decides_as_the_general_path(budget):
+    # _grow (every group full attention in a pool of its own, nothing pending) against the
+    # general allocation path forced on the same calls: same decisions, hits, evictions,
+    # block tables and page ops, also when the budget runs short and the fast path yields
+    groups = for_len([group(0, Full(), 4, 24), group(1, Full(), 8, 16)])
+    kw = {} if budget is None else {"budget_bytes": budget, "page_bytes": 32 * KIB}
+    fast, general = (KVCacheManager(groups, max_model_len=64, max_batched_tokens=64,
+                                    checked=True, **kw) for _ in range(2))
+    assert fast._full_only
+    general._full_only = False
+    page_ops = ([], [])
+    for m, log in zip((fast, general), page_ops):
+        drain = m.drain_copy_ops
+
+        def drain_both(m=m, log=log, drain=drain):
+            log.extend(m.drain_page_ops())
+            log.append(sorted((rid, tuple(map(tuple, m.block_tables(rid))))
+                              for rid in m.requests))
+            return drain()
+
+        m.drain_copy_ops = drain_both
+    a, b = _drive(fast, 300, 3), _drive(general, 300, 3)
+    assert a == b
+    assert page_ops[0] == page_ops[1]
+    assert sum(1 for d in a if d[0] == "step" and not d[2]) > 0 or budget != 18 * 32 * KIB
+
+
 def two_pools(budget_pages, floor_len=8):
     """Two full-attention groups of 16 KiB blocks (4 tokens of 4 KiB) over 32 KiB pages:
     floors of ``floor_len`` tokens each."""
