@@ -423,11 +423,9 @@ class KVCacheManager:
         which it leaves the rest to: False (nothing changed) when any pool is short."""
         ledger = self.ledger
         tables = req.tables
-        room = 0
-        if ledger is not None:
-            if self.sync_steps and ledger.launched > ledger.finished:
-                ledger.step_finished(ledger.launched)
-            room = ledger.free_bytes()
+        worst = 0
+        if ledger is not None and self.sync_steps and ledger.launched > ledger.finished:
+            ledger.step_finished(ledger.launched)
         grow = []
         for m in self.managers:
             k = -(-end // m.bs) - len(tables[m.index])
@@ -436,12 +434,18 @@ class KVCacheManager:
                 if ledger is not None:
                     if k > pool.num_plain_free():
                         return False
-                    room -= k * pool.worst_bytes  # type: ignore[attr-defined]
-                    if room < 0:
-                        return False
+                    worst += k * pool.worst_bytes  # type: ignore[attr-defined]
                 elif k > pool.num_free():
                     return False
                 grow.append((m, k))
+        if ledger is not None and worst > ledger.free_bytes():
+            # the pages the lowest plain ids would newly map, as _elastic_fits counts them;
+            # pools that map none take their blocks first, as the general path orders them
+            costs = [m.pool.cost_of(k) for m, k in grow]  # type: ignore[attr-defined]
+            if sum(costs) > ledger.free_bytes():
+                return False
+            grow = ([g for g, c in zip(grow, costs) if not c]
+                    + [g for g, c in zip(grow, costs) if c])
         for m, k in grow:
             tables[m.index] += m.pool.allocate(k, m.gid)
         limit = INF
