@@ -424,6 +424,7 @@ class KVCacheManager:
         ledger = self.ledger
         tables = req.tables
         worst = 0
+        exact = False  # some pool evicts its own cached blocks: count pages exactly
         if ledger is not None and self.sync_steps and ledger.launched > ledger.finished:
             ledger.step_finished(ledger.launched)
         grow = []
@@ -432,16 +433,24 @@ class KVCacheManager:
             if k > 0:
                 pool = m.pool
                 if ledger is not None:
-                    if k > pool.num_plain_free():
-                        return False
-                    worst += k * pool.worst_bytes  # type: ignore[attr-defined]
+                    plain = pool.num_plain_free()
+                    if k > plain:
+                        if k > plain + len(pool.evictable):
+                            return False
+                        exact = True
+                        k_plain = plain
+                    else:
+                        k_plain = k
+                    worst += k_plain * pool.worst_bytes  # type: ignore[attr-defined]
                 elif k > pool.num_free():
                     return False
                 grow.append((m, k))
-        if ledger is not None and worst > ledger.free_bytes():
-            # the pages the lowest plain ids would newly map, as _elastic_fits counts them;
+        if ledger is not None and (exact or worst > ledger.free_bytes()):
+            # the pages the lowest plain ids would newly map, as _elastic_fits counts them
+            # (a pool short of plain ids evicts its own LRU for the rest, on mapped pages);
             # pools that map none take their blocks first, as the general path orders them
-            costs = [m.pool.cost_of(k) for m, k in grow]  # type: ignore[attr-defined]
+            costs = [m.pool.cost_of(min(k, m.pool.num_plain_free()))  # type: ignore[attr-defined]
+                     for m, k in grow]
             if sum(costs) > ledger.free_bytes():
                 return False
             grow = ([g for g, c in zip(grow, costs) if not c]
