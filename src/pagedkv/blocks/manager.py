@@ -6,7 +6,10 @@ Per request: ``add_request`` -> ``find_cached_prefix`` -> ``allocate`` (False: n
 now; wait or preempt) -> after the forward ``commit`` -> ... -> ``free`` (or ``preempt``).
 Hot path: a decode step that crosses no block boundary does a dict lookup and a few
 integer comparisons in ``allocate`` and ``commit``; hashing, caching, window frees and
-allocations run only when some group reaches its next boundary (``next_event``).
+allocations run only when some group reaches its next boundary (``next_event``). At a
+boundary, when every group is full attention in a pool of its own and no hit is pending,
+``_grow`` takes the next blocks directly (the general path's checks and choices, without
+its per-pool bookkeeping; tests/blocks/test_blocks_elastic.py drives both side by side).
 """
 
 from __future__ import annotations
