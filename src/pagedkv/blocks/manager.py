@@ -426,10 +426,33 @@ class KVCacheManager:
         which it leaves the rest to: False (nothing changed) when any pool is short."""
         ledger = self.ledger
         tables = req.tables
-        worst = 0
-        exact = False  # some pool evicts its own cached blocks: count pages exactly
         if ledger is not None and self.sync_steps and ledger.launched > ledger.finished:
             ledger.step_finished(ledger.launched)
+        if len(self.managers) == 1:  # one group: its next block, on the plainest path
+            m = self.managers[0]
+            table = tables[m.index]
+            bs = m.bs
+            k = -(-end // bs) - len(table)
+            if k > 0:
+                pool = m.pool
+                if ledger is None:
+                    if k > pool.num_free():
+                        return False
+                elif (k > pool.num_plain_free()
+                      or k * pool.worst_bytes > ledger.free_bytes()):  # type: ignore[attr-defined]
+                    return self._grow_exact(req, end, ledger)
+                table += pool.allocate(k, m.gid)
+            n = len(table) * bs
+            req.fast_limit = req.slot_limit = n
+            req.last_block_start = n - bs
+            return True
+        return self._grow_exact(req, end, ledger)
+
+    def _grow_exact(self, req: RequestState, end: int, ledger: PageLedger | None) -> bool:
+        """:meth:`_grow` for several groups, or a pool that needs its pages counted."""
+        tables = req.tables
+        worst = 0
+        exact = False  # some pool evicts its own cached blocks: count pages exactly
         grow = []
         for m in self.managers:
             k = -(-end // m.bs) - len(tables[m.index])
