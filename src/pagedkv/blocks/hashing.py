@@ -160,17 +160,26 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
         else:
             stop_off = end
         first = len(out)
-        for o in range(off, stop_off, step):
+        o = off
+        while o < stop_off:  # links another prompt hashed before, up to the first new one
             link = h + buf[o:o + step]
             known = get_link(link)
             if known is None:
-                h = sha256(link).digest()
-                if len(links) >= _SHA_MEMO_MAX:
-                    links.clear()
-                links[link] = known = (h, from_bytes(h, "little"))
-            else:
-                h = known[0]
+                break
+            h = known[0]
             append(known[1])
+            o += step
+        if o < stop_off:  # the first new link is memoised (a prefix that ends inside a
+            # run finds it next time); the rest of the chain hangs on a new digest
+            link = h + buf[o:o + step]
+            h = sha256(link).digest()
+            if len(links) >= _SHA_MEMO_MAX:
+                links.clear()
+            links[link] = known = (h, from_bytes(h, "little"))
+            append(known[1])
+            for o in range(o + step, stop_off, step):
+                h = sha256(h + buf[o:o + step]).digest()
+                append(from_bytes(h, "little"))
         if chunk_key is not None:
             if len(chunks) >= _SHA_CHUNKS_MAX:
                 chunks.clear()
