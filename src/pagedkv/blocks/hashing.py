@@ -177,8 +177,8 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
                 links.clear()
             links[link] = known = (h, from_bytes(h, "little"))
             append(known[1])
-            for o in range(o + step, stop_off, step):
-                h = sha256(h + buf[o:o + step]).digest()
+            for rest in range(o + step, stop_off, step):
+                h = sha256(h + buf[rest:rest + step]).digest()
                 append(from_bytes(h, "little"))
         if chunk_key is not None:
             if len(chunks) >= _SHA_CHUNKS_MAX:
