@@ -231,9 +231,17 @@ class PageLedger:
     def use(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
         """These blocks now hold data: map their pages (revive pending ones). All or
         nothing: raises :class:`OutOfBlocksError` if the budget cannot hold the new pages."""
-        p = self._pools.get(pool_id) or self._pool(pool_id)
         if type(blocks) is not list and not isinstance(blocks, (tuple, range)):
             blocks = list(blocks)
+        if len(blocks) == 1:  # a decode step's block: the one-block path
+            if not self.try_use_one(pool_id, blocks[0]):
+                new = self._new_pages(self._pool(pool_id), blocks) or ()
+                raise OutOfBlocksError(
+                    f"pool {pool_id}: 1 block needs {len(new)} new pages of "
+                    f"{self.page_bytes} bytes, {self.budget_pages - self._held} left in the "
+                    f"budget of {self.budget_bytes} bytes")
+            return
+        p = self._pools.get(pool_id) or self._pool(pool_id)
         room = self.budget_pages - self._held
         # count the new pages only when the budget could fall short of the worst case
         new = self._new_pages(p, blocks) if len(blocks) * p.span > room else None
@@ -243,11 +251,15 @@ class PageLedger:
                 f"{self.page_bytes} bytes, {self.budget_pages - self._held} left in the "
                 f"budget of {self.budget_bytes} bytes"
             )
-        bb, pb, ceiling = p.bb, self.page_bytes, p.ceiling
-        used, count, state = p.block_used, p.count, p.state
-        if new is None and blocks and (min(blocks) < 0 or max(blocks) >= ceiling):
+        if new is None and blocks and (min(blocks) < 0 or max(blocks) >= p.ceiling):
             for b in blocks:  # ids not checked by the count: name the first bad one
                 self._check_block(p, b)
+        self._use_checked(p, pool_id, blocks)
+
+    def _use_checked(self, p: _PoolPages, pool_id: PoolId, blocks: Sequence[BlockId]) -> None:
+        """:meth:`use` once the ids and the budget are checked."""
+        bb, pb = p.bb, self.page_bytes
+        used, count, state = p.block_used, p.count, p.state
         n, idx = self._npools, p.index
         maps, pending, unmaps = self._maps, self._pending, self._unmaps
         mapped = 0
@@ -289,8 +301,8 @@ class PageLedger:
             self._check_block(p, b)
         pb = self.page_bytes
         lo = b * p.bb // pb
-        if lo != ((b + 1) * p.bb - 1) // pb:  # straddles pages
-            self.use(pool_id, (b,))
+        if lo != ((b + 1) * p.bb - 1) // pb:  # straddles pages: the general loop
+            self._use_checked(p, pool_id, (b,))
             return True
         if p.block_used[b]:
             raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
