@@ -38,54 +38,12 @@ ROOT_SEED = 0x5EED_BA5E
 
 def _extend_fast(tokens: Sequence[int], start: int, stop: int, bs: int, parent: int,
                  out: list) -> None:
+    # no memo: a tuple hash per block costs less than the uint32 keys a memo would need
     h = parent
     append = out.append
-    run = tokens[start * bs:stop * bs]
-    if stop - start >= _FAST_CHUNK:  # a prompt: runs of blocks a shared prefix may have
-        try:
-            arr = array("I")
-            arr.fromlist(run if type(run) is list else list(run))
-            buf = arr.tobytes()  # the run's tokens, injectively (uint32), as memo keys
-        except (OverflowError, TypeError):
-            buf = b""
-        if buf:
-            _extend_fast_memo(run, buf, bs, h, out)
-            return
-    for block in zip(*[iter(run)] * bs):  # the blocks' tuples, cut in C
+    for block in zip(*[iter(tokens[start * bs:stop * bs])] * bs):  # blocks cut in C
         h = hash((h, block))
         append(h)
-
-
-def _extend_fast_memo(run: Sequence[int], buf: bytes, bs: int, h: int, out: list) -> None:
-    """``_extend_fast`` by runs of ``_FAST_CHUNK`` blocks: a run chained on parent ``h``
-    whose tokens (``buf``, uint32) were hashed before is looked up, bytes against bytes."""
-    chunks = _FAST_CHUNKS
-    span = bs * _FAST_CHUNK
-    append = out.append
-    for off in range(0, len(run), span):
-        key = None
-        if off + span <= len(run):
-            key = h.to_bytes(8, "little", signed=True) + buf[4 * off:4 * (off + span)]
-            known = chunks.get(key)
-            if known is not None:
-                out += known
-                h = known[-1]
-                continue
-        first = len(out)
-        for block in zip(*[iter(run[off:off + span])] * bs):
-            h = hash((h, block))
-            append(h)
-        if key is not None:
-            if len(chunks) >= _SHA_CHUNKS_MAX:
-                chunks.clear()
-            chunks[key] = tuple(out[first:])
-
-
-# Runs of ``_FAST_CHUNK`` blocks of the fast hash: parent (8 bytes) + the run's tokens
-# as uint32 -> the blocks' keys; a shared prompt prefix is looked up in a few steps (the
-# dict compares whole byte strings: the same keys as hashing). Bounded like the sha256 runs.
-_FAST_CHUNK = 8
-_FAST_CHUNKS: dict[bytes, tuple[int, ...]] = {}
 
 
 def _bytes_extender(width: int, digest: Callable[[bytes], int]) -> Extender:
