@@ -13,7 +13,9 @@ Algorithms (``hash_algo``):
   process: safe for a multi-tenant cache, where one user must not be able to forge
   another's hit. ``secret`` (a per-deployment key, see :func:`root_hash`) also makes the
   keys unpredictable to anyone without it; ``extra_keys`` carry a per-request cache salt.
-  The compact encoding keeps it within ~2x of the 64-bit hash (benchmarks/blocks.py).
+  The compact encoding keeps it within ~2x of the 64-bit hash (benchmarks/blocks.py), and
+  a memo of exact inputs (runs of 8 links, and a run's first new link) serves a shared
+  prefix without hashing it again: still SHA-256 of the same bytes, no new collisions.
 - ``"fast-single-tenant"``: CPython's tuple hash of (parent, tokens). 64-bit and NOT
   collision-resistant: anyone who chooses prompts can forge collisions and read or
   poison another user's cache entries. Only for a cache serving a single tenant.
