@@ -11,10 +11,13 @@ class FullManager(GroupManager):
     def find_hit(self, req: RequestState, max_tokens: int) -> tuple[int, list[int]]:
         if not self.caching:
             return 0, []
-        # every candidate looked up in C; the run ends at the first miss
-        blocks = list(map(self.cache.get, req.hashes[self.bs][:self.hit_block_limit(req, max_tokens)]))
-        if None in blocks:
-            del blocks[blocks.index(None):]
+        get = self.cache.get
+        blocks: list[int] = []
+        for h in req.hashes[self.bs][:self.hit_block_limit(req, max_tokens)]:
+            b = get(h)
+            if b is None:
+                break
+            blocks.append(b)
         tokens = min(max_tokens, len(blocks) * self.bs - self.offset)
         if tokens <= 0:
             return 0, []
