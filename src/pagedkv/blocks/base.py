@@ -72,9 +72,7 @@ class GroupManager:
             return self.blocks_needed(req, end, hit), []
         ref = self.pool.ref
         null = self.pool.null
-        # usually every hit block is held by another request: one pass in C says so
-        revived = ([b for b in hit if b != null and ref[b] == 0]
-                   if 0 in map(ref.__getitem__, hit) else [])
+        revived = [b for b in hit if b != null and ref[b] == 0]
         if type(self).blocks_needed is GroupManager.blocks_needed:  # its sum, not done twice
             adopted = len(hit) - (1 if req.pending.tokens % self.bs else 0)
             return max(0, cdiv(end, self.bs) - adopted), revived
