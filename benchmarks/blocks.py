@@ -18,6 +18,8 @@
    venv), interleaved rounds in one window; total manager time per request, hashing
    included, with pagedkv's default hash and with the fast single-tenant one.
 6. ``--only checked``: a simulate run unchecked vs checked mode (incremental checks).
+8. ``--only calls``: each kind of call of the loop timed apart, decode steps split into
+   calls that cross a block boundary and calls that do not.
 7. ``--only sim``: the issue's simulator runs, elastic pools against fixed pools.
 
 Usage: python benchmarks/blocks.py [--quick] [--json] [--only PART]
@@ -261,6 +263,65 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
     }
 
 
+def bench_calls(hash_algo: str = DEFAULT_HASH, running: int = 256, steps: int = 128,
+                seed: int = 0) -> dict:
+    """Each call of the loop timed by kind (elastic pool, one group, blocks of 16): 256
+    requests of a shared 1,024-token prefix + 256 tokens are added, looked up, admitted,
+    then decode ``steps`` tokens, one ``allocate`` and one ``commit`` each per step; a call
+    that crosses a block boundary (a new block; hashing and caching a full one) is timed
+    apart from one that does not. Mean microseconds per call."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(128000) for _ in range(1024)]
+    groups = groups_for("one", 20000, 16)
+    mgr = KVCacheManager(groups, max_batched_tokens=8192, checked=False, hash_algo=hash_algo,
+                         budget_bytes=20000 * groups[0].page_bytes, max_model_len=1424 + 64)
+    prompts = [prefix + [rng.randrange(128000) for _ in range(256)] for _ in range(running)]
+    t = {k: [0, 0] for k in ("add_request", "lookup", "alloc_prefill", "alloc_decode",
+                             "alloc_boundary", "commit_decode", "commit_boundary", "free")}
+    reqs = mgr.requests
+    gc.collect()
+    gc.freeze()
+    for r in range(running):
+        a = ns()
+        mgr.add_request(r, prompts[r])
+        b = ns()
+        hit = mgr.find_cached_prefix(r)
+        c = ns()
+        mgr.allocate(r, 1280 - hit)
+        d = ns()
+        mgr.commit(r, 1280 - hit, [5])
+        if r:  # the first request hashes and caches the prefix: not the common case
+            for k, dt in (("add_request", b - a), ("lookup", c - b), ("alloc_prefill", d - c)):
+                t[k][0] += 1
+                t[k][1] += dt
+    for _ in range(steps):
+        for r in range(running):
+            req = reqs[r]
+            k = "alloc_boundary" if req.num_computed + 1 > req.fast_limit else "alloc_decode"
+            a = ns()
+            mgr.allocate(r, 1)
+            t[k][1] += ns() - a
+            t[k][0] += 1
+        for r in range(running):
+            req = reqs[r]
+            c = req.num_computed + 1
+            k = ("commit_boundary" if c >= req.next_event or req.last_block_start >= c
+                 else "commit_decode")
+            a = ns()
+            mgr.commit(r, 1, [7])
+            t[k][1] += ns() - a
+            t[k][0] += 1
+    for r in range(running):
+        a = ns()
+        mgr.free(r)
+        t["free"][1] += ns() - a
+        t["free"][0] += 1
+    gc.unfreeze()
+    return {"hash": hash_algo, "running": running,
+            "mean_us": {k: round(v / n / 1e3, 3) for k, (n, v) in t.items() if n},
+            "calls": {k: n for k, (n, _) in t.items()}}
+
+
 PEER = "/work/shared/peers/vllm_blocks_bench.py"
 
 
@@ -355,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--only", choices=("decode", "admission", "hash", "loop", "vllm", "checked",
-                                       "sim"))
+    ap.add_argument("--only", choices=("decode", "admission", "hash", "loop", "calls", "vllm",
+                                       "checked", "sim"))
     ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python",
                     help="the peer venv's python (../shared/peers/setup_vllm_peer.sh)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds against vLLM")
@@ -374,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "loop"):
         res["loop"] = [bench_loop(200 if args.quick else 2000, hash_algo=a, elastic=e)
                        for a in (DEFAULT_HASH, FAST_HASH) for e in (True, False)]
+    if args.only in (None, "calls"):
+        res["calls"] = [bench_calls(a, steps=32 if args.quick else 128)
+                        for a in (DEFAULT_HASH, FAST_HASH)]
     if args.only in (None, "checked"):
         res["checked"] = bench_checked(20 if args.quick else 100)
     if args.only in (None, "sim"):

@@ -93,6 +93,72 @@ def test_with_room_for_everything_elastic_pools_decide_as_fixed_pools(groups, se
     assert a[-1][3] > 0  # the pools were small enough to evict: the LRU agreed too
 
 
+@pytest.mark.parametrize("budget", [None, 18 * 32 * KIB, 1 << 30],
+                         ids=["fixed", "tight-budget", "ample-budget"])
+@pytest.mark.parametrize("ngroups", [1, 2])
+def test_the_decode_fast_path_decides_as_the_general_path(budget, ngroups):
+    # _grow (every group full attention in a pool of its own, nothing pending) against the
+    # general allocation path forced on the same calls: same decisions, hits, evictions,
+    # block tables and page ops, also when the budget runs short and the fast path yields
+    groups = for_len([group(0, Full(), 4, 24), group(1, Full(), 8, 16)][:ngroups])
+    if ngroups == 1 and budget is not None and budget < 1 << 30:
+        budget = 10 * 32 * KIB  # one group's floor: as tight as two groups' at 18 pages
+    kw = {} if budget is None else {"budget_bytes": budget, "page_bytes": 32 * KIB}
+    fast, general = (KVCacheManager(groups, max_model_len=64, max_batched_tokens=64,
+                                    checked=True, **kw) for _ in range(2))
+    assert fast._full_only
+    general._full_only = False
+    page_ops = ([], [])
+    for m, log in zip((fast, general), page_ops):
+        drain = m.drain_copy_ops
+
+        def drain_both(m=m, log=log, drain=drain):
+            log.extend(m.drain_page_ops())
+            log.append(sorted(((rid, tuple(map(tuple, m.block_tables(rid))))
+                               for rid in m.requests), key=repr))
+            return drain()
+
+        m.drain_copy_ops = drain_both
+    a, b = _drive(fast, 300, 3), _drive(general, 300, 3)
+    assert a == b
+    a, b = _decode_heavy(fast, 4), _decode_heavy(general, 4)
+    assert a == b
+    assert page_ops[0] == page_ops[1]
+    assert a[-1][1] > 0 or budget == 1 << 30  # cached blocks were evicted for new ones
+    assert sum(1 for d in a if d[0] == "decode" and not d[2]) > 0 or budget in (None, 1 << 30)
+
+
+def _decode_heavy(m, seed):
+    """Up to 6 requests sharing prefixes, decoding one token per step (the fast path's
+    case) until they reach 56 tokens, fail to get a block, or stop at random."""
+    rng = random.Random(seed)
+    out, running = [], []
+    base = [rng.randrange(6) for _ in range(40)]
+    for i in range(400):
+        if len(running) < 6 and rng.random() < 0.3:
+            m.add_request(("d", i), base[:rng.randrange(4, 40)] + [rng.randrange(6)])
+            hit = m.find_cached_prefix(("d", i))
+            n = m.num_tokens(("d", i)) - hit
+            ok = m.allocate(("d", i), n)
+            out.append(("admit", i, hit, ok))
+            if ok:
+                m.commit(("d", i), n, [rng.randrange(6)])
+                running.append(("d", i))
+            else:
+                m.free(("d", i))
+        for rid in list(running):
+            ok = m.allocate(rid, 1)
+            out.append(("decode", rid, ok, [list(t) for t in m.block_tables(rid)]))
+            if ok:
+                m.commit(rid, 1, [rng.randrange(6)])
+            if not ok or m.num_tokens(rid) > 56 or rng.random() < 0.05:
+                running.remove(rid)
+                m.free(rid)
+        m.drain_copy_ops()
+    out.append(("end", m.metrics().evictions))
+    return out
+
+
 def two_pools(budget_pages, floor_len=8):
     """Two full-attention groups of 16 KiB blocks (4 tokens of 4 KiB) over 32 KiB pages:
     floors of ``floor_len`` tokens each."""

@@ -158,3 +158,55 @@ def test_sha256_shared_prefix_from_the_memo_matches_an_independent_computation()
         assert len(hashing._SHA_MEMO) <= 2
     finally:
         hashing._SHA_MEMO_MAX = old
+
+
+def _sha_chain(toks, bs, parent):
+    expected, h = [], parent
+    for i in range(len(toks) // bs):
+        raw = h.to_bytes(32, "little") + array("I", toks[i * bs:(i + 1) * bs]).tobytes()
+        h = int.from_bytes(hashlib.sha256(raw).digest(), "little")
+        expected.append(h)
+    return expected
+
+
+def test_sha256_runs_of_links_from_the_memo_match_an_independent_computation():
+    # runs of 8 links are memoised as one entry: prompts sharing 25 blocks, diverging
+    # inside a run, and one block size whose single link has the byte length of another's
+    # run of 8 (64 tokens = 8 blocks of 8), chained on the same parent
+    rng = random.Random(12)
+    shared = [rng.randrange(1 << 20) for _ in range(200)]
+    prompts = [shared + [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 90))]
+               for _ in range(3)]
+    prompts.append(shared[:100] + [7] + shared[101:])  # diverges inside the second run
+    for _ in range(2):  # the second pass is served from the memo
+        for toks in prompts:
+            for bs in (8, 64):
+                assert chain("sha256", toks, bs, 5) == _sha_chain(toks, bs, 5)
+    # growing a chain block by block (decode) gives the keys of hashing it at once
+    toks = prompts[0]
+    grown: list = []
+    ext = hash_extender("sha256")
+    for i in range(len(toks) // 8):
+        ext(toks, i, i + 1, 8, grown[-1] if grown else 5, grown)
+    assert grown == _sha_chain(toks, 8, 5)
+
+
+def test_fast_hash_matches_its_definition():
+    # fast-single-tenant is hash((parent, block tuple)) chained (blocks are cut by zip):
+    # shared prefixes, a divergence, two block sizes, whole chains and partial tails
+    rng = random.Random(13)
+    shared = [rng.randrange(1 << 20) for _ in range(300)]
+    prompts = [shared + [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 90))]
+               for _ in range(3)] + [shared[:150] + [1] + shared[151:]]
+
+    def by_definition(toks, bs, parent):
+        out, h = [], parent
+        for i in range(len(toks) // bs):
+            h = hash((h, tuple(toks[i * bs:(i + 1) * bs])))
+            out.append(h)
+        return out
+
+    for _ in range(2):
+        for toks in prompts:
+            for bs in (4, 16):
+                assert chain("fast-single-tenant", toks, bs, 9) == by_definition(toks, bs, 9)

@@ -118,3 +118,37 @@ def test_bf16_caches_sit_at_the_plans_offsets():
     with torch.no_grad():
         ref = hf(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0, :-1]
     assert float((rows - ref).abs().max()) < 0.05 * float(ref.abs().max())  # bf16 vs fp32
+
+
+def test_block_major_caches_hold_each_block_of_every_layer_in_one_stretch():
+    # gemma-3 (sliding + full pools): block b of every layer lies in bytes
+    # [b * page_bytes, (b + 1) * page_bytes) of its pool, layers do not overlap inside a
+    # block, and generation through these strided views matches transformers (bf16)
+    hf = tiny_model("gemma-3-27b")
+    engine = Engine(hf, options(dtype="bf16", block_major_cache=True))
+    rank = engine.plan.ranks[0]
+    caches = engine.runner.caches
+    for pool in rank.pools:
+        spans = {}
+        for v in (v for v in rank.views if v.pool == pool.id):
+            t = caches[v.layer][v.tensor]
+            assert tuple(t.shape) == tuple(v.shape)
+            item = t.element_size()
+            assert t.stride(0) * item == pool.page_bytes
+            base = t.untyped_storage().data_ptr()
+            last = t.data_ptr() + (t[0].numel()) * item - base  # end of block 0's bytes
+            first = t.data_ptr() - base
+            assert 0 <= first and last <= pool.page_bytes
+            b = pool.num_pages - 1  # the last block too
+            assert b * pool.page_bytes <= t[b].data_ptr() - base
+            assert t[b].data_ptr() - base + t[b].numel() * item <= (b + 1) * pool.page_bytes
+            spans[v.offset] = (first, last)
+        ordered = sorted(spans.values())
+        assert all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:]))  # no overlap
+    out = engine.generate([[5, 6, 7, 8, 9] * 3], SamplingParams(max_new_tokens=4,
+                                                                ignore_eos=True))[0]
+    rows = torch.stack([row for _, row in engine.logits[out.rid]])
+    assert rows.shape[0] == 15 + 3 and bool(torch.isfinite(rows).all())
+    with torch.no_grad():
+        ref = hf(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0, :-1]
+    assert float((rows - ref).abs().max()) < 0.05 * float(ref.abs().max())  # bf16 vs fp32

@@ -124,7 +124,8 @@ class GroupManager:
     def commit(self, req: RequestState) -> int:
         """Offer blocks now full of committed tokens to the cache; return the committed
         count at which this group next has work."""
-        self.release_copy_source(req)
+        if req.copy_src[self.index] is not None:
+            self.release_copy_source(req)
         self.mark_written(req)
         return self.offer(req, req.num_computed)
 

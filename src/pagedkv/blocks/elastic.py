@@ -175,6 +175,18 @@ class ElasticPool(BlockPool):
     def allocate(self, n: int, group_id: GroupId) -> list[BlockId]:
         ref = self.ref
         group = self.block_group
+        if n == 1 and not self.lean:  # a decode step's block: _take_lowest(1), inlined
+            free = self.free
+            b = free[0] if free else (self.fresh if self.fresh < self.num_blocks else -1)
+            if b >= 0 and self.ledger.try_use_one(self.pool_id, b):
+                if free:
+                    heapq.heappop(free)
+                else:
+                    self.fresh = b + 1
+                ref[b] = 1
+                group[b] = group_id
+                self.used[group_id] += 1
+                return [b]
         out = self._take_lowest(n)
         while len(out) < n:
             out.append(self._take_one())

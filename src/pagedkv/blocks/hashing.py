@@ -13,7 +13,9 @@ Algorithms (``hash_algo``):
   process: safe for a multi-tenant cache, where one user must not be able to forge
   another's hit. ``secret`` (a per-deployment key, see :func:`root_hash`) also makes the
   keys unpredictable to anyone without it; ``extra_keys`` carry a per-request cache salt.
-  The compact encoding keeps it within ~2x of the 64-bit hash (benchmarks/blocks.py).
+  The compact encoding keeps it within ~2x of the 64-bit hash (benchmarks/blocks.py), and
+  a memo of exact inputs (runs of 8 links, and a run's first new link) serves a shared
+  prefix without hashing it again: still SHA-256 of the same bytes, no new collisions.
 - ``"fast-single-tenant"``: CPython's tuple hash of (parent, tokens). 64-bit and NOT
   collision-resistant: anyone who chooses prompts can forge collisions and read or
   poison another user's cache entries. Only for a cache serving a single tenant.
@@ -38,10 +40,11 @@ ROOT_SEED = 0x5EED_BA5E
 
 def _extend_fast(tokens: Sequence[int], start: int, stop: int, bs: int, parent: int,
                  out: list) -> None:
+    # no memo: a tuple hash per block costs less than the uint32 keys a memo would need
     h = parent
     append = out.append
-    for lo in range(start * bs, stop * bs, bs):
-        h = hash((h, tuple(tokens[lo:lo + bs])))
+    for block in zip(*[iter(tokens[start * bs:stop * bs])] * bs):  # blocks cut in C
+        h = hash((h, block))
         append(h)
 
 
@@ -81,11 +84,14 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
         return
     sha256 = hashlib.sha256
     from_bytes = int.from_bytes
-    append = out.append
     h = parent.to_bytes(32, "little")
+    run = tokens[start * bs:stop * bs]
+    if stop - start == 1:  # a block filled while decoding: one link, not worth a memo entry
+        out.append(from_bytes(sha256(h + _block_bytes(run)).digest(), "little"))
+        return
+    append = out.append
     arr = array("I")
     try:  # one conversion for the whole range: the common case
-        run = tokens[start * bs:stop * bs]
         arr.fromlist(run if type(run) is list else list(run))  # faster than array("I", run)
         buf = arr.tobytes()
     except OverflowError:
@@ -94,28 +100,66 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
             append(from_bytes(h, "little"))
         return
     step = bs * 4
-    memo = _SHA_MEMO
-    get = memo.get
-    for off in range(0, len(buf), step):
-        link = h + buf[off:off + step]
-        known = get(link)
-        if known is None:
-            h = sha256(link).digest()
-            if len(memo) >= _SHA_MEMO_MAX:
-                memo.clear()
-            memo[link] = known = (h, from_bytes(h, "little"))
+    span = step * _SHA_CHUNK
+    links = _SHA_MEMO
+    get_link = links.get
+    chunks = _SHA_CHUNKS
+    off = 0
+    end = len(buf)
+    while off < end:
+        stop_off = off + span
+        chunk_key = None
+        if stop_off <= end:  # a whole chunk: one lookup for _SHA_CHUNK links
+            chunk_key = h + buf[off:stop_off]
+            known_chunk = chunks.get(chunk_key)
+            if known_chunk is not None:
+                h = known_chunk[0]
+                out += known_chunk[1]
+                off = stop_off
+                continue
         else:
+            stop_off = end
+        first = len(out)
+        o = off
+        while o < stop_off:  # links another prompt hashed before, up to the first new one
+            link = h + buf[o:o + step]
+            known = get_link(link)
+            if known is None:
+                break
             h = known[0]
-        append(known[1])
+            append(known[1])
+            o += step
+        if o < stop_off:  # the first new link is memoised (a prefix that ends inside a
+            # run finds it next time); the rest of the chain hangs on a new digest
+            link = h + buf[o:o + step]
+            h = sha256(link).digest()
+            if len(links) >= _SHA_MEMO_MAX:
+                links.clear()
+            links[link] = known = (h, from_bytes(h, "little"))
+            append(known[1])
+            for rest in range(o + step, stop_off, step):
+                h = sha256(h + buf[rest:rest + step]).digest()
+                append(from_bytes(h, "little"))
+        if chunk_key is not None:
+            if len(chunks) >= _SHA_CHUNKS_MAX:
+                chunks.clear()
+            chunks[chunk_key] = (h, tuple(out[first:]))
+        off = stop_off
 
 
 # Recent chain links of ``sha256``: the exact input (parent digest + block bytes) -> its
-# digest. A prefix many requests share (a system prompt) is then hashed once, not once
-# per request; the dict compares whole inputs, so this is SHA-256 exactly (no new
-# collisions), and the parent digest carries the secret and salts. Bounded: cleared
-# when full (at most ~16 MiB at blocks of 16 tokens).
+# digest; and runs of ``_SHA_CHUNK`` links: parent digest + the run's bytes -> the last
+# digest and every link's key. A prefix many requests share (a system prompt) is then
+# hashed once, not once per request, and looked up in a few steps; the dicts compare
+# whole inputs, so this is SHA-256 exactly (no new collisions), and the parent digest
+# carries the secret and salts. Bounded: each is cleared when full (at most ~16 MiB of
+# links at blocks of 16 tokens, ~6 MiB of runs). A run and a link of another block size
+# can have inputs of one length: they live in separate dicts.
 _SHA_MEMO: dict[bytes, tuple[bytes, int]] = {}
 _SHA_MEMO_MAX = 1 << 16
+_SHA_CHUNK = 8
+_SHA_CHUNKS: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}
+_SHA_CHUNKS_MAX = 1 << 13
 
 
 def _xxh3_extender() -> Extender:

@@ -6,7 +6,10 @@ Per request: ``add_request`` -> ``find_cached_prefix`` -> ``allocate`` (False: n
 now; wait or preempt) -> after the forward ``commit`` -> ... -> ``free`` (or ``preempt``).
 Hot path: a decode step that crosses no block boundary does a dict lookup and a few
 integer comparisons in ``allocate`` and ``commit``; hashing, caching, window frees and
-allocations run only when some group reaches its next boundary (``next_event``).
+allocations run only when some group reaches its next boundary (``next_event``). At a
+boundary, when every group is full attention in a pool of its own and no hit is pending,
+``_grow`` takes the next blocks directly (the general path's checks and choices, without
+its per-pool bookkeeping; tests/blocks/test_blocks_elastic.py drives both side by side).
 """
 
 from __future__ import annotations
@@ -165,11 +168,18 @@ class KVCacheManager:
             pid = m.pool.pool_id
             self._spare_by_pool[pid] = self._spare_by_pool.get(pid, ()) + (m,)
         self._pool_per_group = len({m.pool.pool_id for m in self.managers}) == len(self.managers)
+        # every group full attention, one pool each: a request with nothing pending grows
+        # its tables without the general admission bookkeeping (``_grow``)
+        self._full_only = self._pool_per_group and all(type(m) is FullManager
+                                                       for m in self.managers)
+        self._single_bs = (self.managers[0].bs if len({m.bs for m in self.managers}) == 1
+                           else 0)
         self._pool_by_id = {p.pool_id: p for p in self.pools}
         # the full sweep walks every block id: by default it runs about once per that many
         # calls (at least every 1,024), so its cost per call stays a small constant
         self.sweep_every = sweep_every or max(1024, sum(p.num_blocks for p in self.pools) // 2)
         self._reqs: dict[object, RequestState] = {}
+        self._fits: set[int] = set()  # request lengths check_fits has accepted
         self.preemptions = 0
 
     @property
@@ -281,8 +291,14 @@ class KVCacheManager:
     # --- requests ----------------------------------------------------------------------
     def check_fits(self, num_tokens: int) -> None:
         """Raise RequestTooLargeError when a request of ``num_tokens`` can never fit."""
+        fits = self._fits
+        if num_tokens in fits:  # the answer depends on the length alone
+            return
         admission.check_fits(self.managers, num_tokens, self.max_batched_tokens,
                              self.max_model_len)
+        if len(fits) >= 4096:
+            fits.clear()
+        fits.add(num_tokens)
 
     def add_request(self, request_id: object, prompt_tokens: Sequence[int], *,
                     max_new_tokens: int | None = None, extra_keys: Sequence[object] = (),
@@ -366,6 +382,8 @@ class KVCacheManager:
                 f"{len(req.tokens)} known tokens"
             )
         if pending is None:
+            if self._full_only and n <= 1 and self._grow(req, end):
+                return True
             for m in self._window_managers:
                 m.drop_out_of_window(req)
         hits = pending.blocks if pending is not None else None
@@ -398,6 +416,83 @@ class KVCacheManager:
         for m in self.managers:
             m.allocate(req, end, hits[m.index] if hits is not None else None)
         self._after_allocate(req, pending, start, n, end)
+        return True
+
+    def _grow(self, req: RequestState, end: int) -> bool:
+        """A decode step's next blocks when every group is full attention in a pool of its
+        own and nothing is pending: each group takes its pool's next blocks where they
+        surely fit (elastic: the lowest plain ids, every one on pages of its own within the
+        free budget; fixed: free blocks). The same blocks and checks as the general path,
+        which it leaves the rest to: False (nothing changed) when any pool is short."""
+        ledger = self.ledger
+        tables = req.tables
+        if ledger is not None and self.sync_steps and ledger.launched > ledger.finished:
+            ledger.step_finished(ledger.launched)
+        if len(self.managers) == 1:  # one group: its next block, on the plainest path
+            m = self.managers[0]
+            table = tables[m.index]
+            bs = m.bs
+            k = -(-end // bs) - len(table)
+            if k > 0:
+                pool = m.pool
+                if ledger is None:
+                    if k > pool.num_free():
+                        return False
+                elif (k > pool.num_plain_free()
+                      or k * pool.worst_bytes > ledger.free_bytes()):  # type: ignore[attr-defined]
+                    return self._grow_exact(req, end, ledger)
+                table += pool.allocate(k, m.gid)
+            n = len(table) * bs
+            req.fast_limit = req.slot_limit = n
+            req.last_block_start = n - bs
+            return True
+        return self._grow_exact(req, end, ledger)
+
+    def _grow_exact(self, req: RequestState, end: int, ledger: PageLedger | None) -> bool:
+        """:meth:`_grow` for several groups, or a pool that needs its pages counted."""
+        tables = req.tables
+        worst = 0
+        exact = False  # some pool evicts its own cached blocks: count pages exactly
+        grow = []
+        for m in self.managers:
+            k = -(-end // m.bs) - len(tables[m.index])
+            if k > 0:
+                pool = m.pool
+                if ledger is not None:
+                    plain = pool.num_plain_free()
+                    if k > plain:
+                        if k > plain + len(pool.evictable):
+                            return False
+                        exact = True
+                        k_plain = plain
+                    else:
+                        k_plain = k
+                    worst += k_plain * pool.worst_bytes  # type: ignore[attr-defined]
+                elif k > pool.num_free():
+                    return False
+                grow.append((m, k))
+        if ledger is not None and (exact or worst > ledger.free_bytes()):
+            # the pages the lowest plain ids would newly map, as _elastic_fits counts them
+            # (a pool short of plain ids evicts its own LRU for the rest, on mapped pages);
+            # pools that map none take their blocks first, as the general path orders them
+            costs = [m.pool.cost_of(min(k, m.pool.num_plain_free()))  # type: ignore[attr-defined]
+                     for m, k in grow]
+            if sum(costs) > ledger.free_bytes():
+                return False
+            grow = ([g for g, c in zip(grow, costs) if not c]
+                    + [g for g, c in zip(grow, costs) if c])
+        for m, k in grow:
+            tables[m.index] += m.pool.allocate(k, m.gid)
+        limit = INF
+        last = -1
+        for m in self.managers:
+            nb = len(tables[m.index])
+            if nb * m.bs < limit:
+                limit = nb * m.bs
+            if (nb - 1) * m.bs > last:
+                last = (nb - 1) * m.bs
+        req.fast_limit = req.slot_limit = limit
+        req.last_block_start = last
         return True
 
     def _allocate_elastic(self, req: RequestState, pending: PendingHit | None, start: int,
@@ -587,10 +682,11 @@ class KVCacheManager:
             req = self._reqs[request_id]
         except KeyError:
             req = self._req(request_id)
-        tokens = req.tokens
         c = req.num_computed + num_computed
+        tokens = req.tokens
         # slot_limit is -1 while a looked-up hit waits to be adopted
-        if c > req.slot_limit or c > len(tokens) + len(new_tokens) or num_computed < 0:
+        if (num_computed < 0 or c > req.slot_limit
+                or c > len(tokens) + (len(new_tokens) if new_tokens else 0)):
             raise InvalidArgumentError(
                 f"request {request_id!r}: cannot commit {num_computed} tokens at "
                 f"{req.num_computed} (slots up to {req.slot_limit}, {len(tokens)} tokens + "
@@ -599,7 +695,7 @@ class KVCacheManager:
         if new_tokens:
             tokens += new_tokens
         req.num_computed = c
-        if c >= req.next_event or req.last_block_start >= c:
+        if not req.last_block_start < c < req.next_event:
             self._commit_slow(req)
 
     def commit_batch(self, request_ids: Sequence[object], new_tokens: Sequence[int]) -> None:
@@ -618,12 +714,13 @@ class KVCacheManager:
                 self.commit(rid, 1, (tok,))  # raises with the details
             req.tokens.append(tok)
             req.num_computed = c
-            if c >= req.next_event or req.last_block_start >= c:
+            if not req.last_block_start < c < req.next_event:
                 self._commit_slow(req)
 
     def _commit_slow(self, req: RequestState) -> None:
-        if self.ledger is not None:
-            self._sync_ledger()
+        ledger = self.ledger
+        if ledger is not None and self.sync_steps and ledger.launched > ledger.finished:
+            ledger.step_finished(ledger.launched)  # _sync_ledger, inlined: every boundary
         if req.last_block_start >= req.num_computed:
             for m in self._token_managers:
                 m.trim(req)
@@ -631,7 +728,9 @@ class KVCacheManager:
         self.prefix.hash_full_blocks(req)
         nxt = INF
         for m in self.managers:
-            nxt = min(nxt, m.commit(req))
+            k = m.commit(req)
+            if k < nxt:
+                nxt = k
         req.next_event = nxt
 
     def free(self, request_id: object) -> None:

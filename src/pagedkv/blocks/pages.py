@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagedkv.blocks.ids import BlockId, PoolId
 from pagedkv.errors import CacheCorruptedError, InvalidArgumentError, OutOfBlocksError
@@ -51,8 +52,7 @@ class PoolRange:
     floor_blocks: int = 0
 
 
-@dataclass(frozen=True)
-class MapOp:
+class MapOp(NamedTuple):
     """Back page ``page`` of pool ``pool_id`` -- bytes ``[page * page_bytes, (page + 1) *
     page_bytes)`` of its virtual range -- with a physical page, before the next step."""
 
@@ -60,8 +60,7 @@ class MapOp:
     page: int
 
 
-@dataclass(frozen=True)
-class UnmapOp:
+class UnmapOp(NamedTuple):
     """Unmap page ``page`` of pool ``pool_id`` and return its physical page to the stock.
     Emitted only once step ``after_step`` (the last launched while the page held data;
     ``NO_STEP`` if none) has finished; the backing may check its own event again."""
@@ -83,10 +82,13 @@ class _PoolPages:
     """Per-pool state: page states, blocks in use per page, which blocks hold data."""
 
     __slots__ = ("spec", "num_pages", "floor_pages", "state", "count", "held", "block_used",
-                 "span")
+                 "span", "index", "bb", "ceiling")
 
-    def __init__(self, spec: PoolRange, page_bytes: int) -> None:
+    def __init__(self, spec: PoolRange, page_bytes: int, index: int = 0) -> None:
         self.spec = spec
+        self.index = index  # page keys of the op queues: page * number of pools + index
+        self.bb = spec.block_bytes
+        self.ceiling = spec.ceiling_blocks
         self.num_pages = virtual_pages(spec, page_bytes)
         self.floor_pages = (
             ((spec.floor_blocks * spec.block_bytes - 1) // page_bytes + 1)
@@ -132,7 +134,7 @@ class PageLedger:
                     f"pool {spec.pool_id}: floor_blocks {spec.floor_blocks} outside "
                     f"0..{spec.ceiling_blocks} (the ceiling)"
                 )
-            self._pools[spec.pool_id] = _PoolPages(spec, page_bytes)
+            self._pools[spec.pool_id] = _PoolPages(spec, page_bytes, len(self._pools))
         floor = sum(p.floor_pages for p in self._pools.values())
         if floor > self.budget_pages:
             raise InvalidArgumentError(
@@ -140,15 +142,21 @@ class PageLedger:
                 f"({floor * page_bytes} bytes), over the budget of {budget_bytes} bytes"
             )
         self._held = 0
-        self._maps: dict[tuple[PoolId, int], None] = {}  # queued, in order
-        self._pending: dict[tuple[PoolId, int], int] = {}  # page -> step it waits for
-        self._unmaps: dict[tuple[PoolId, int], UnmapOp] = {}  # to emit at the next drain
+        # page queues keyed by one int per page (page * number of pools + pool index), in
+        # insertion order: no tuple or op object per page until ``drain``
+        self._npools = len(self._pools)
+        self._pool_ids = tuple(self._pools)
+        self._maps: dict[int, None] = {}  # queued maps
+        # page -> the step it waits for; the steps never decrease in insertion order (an
+        # entry is always added with the newest launched step)
+        self._pending: dict[int, int] = {}
+        self._unmaps: dict[int, int] = {}  # page -> its UnmapOp's after_step, next drain
         self.launched = NO_STEP  # last step handed to the device
         self.finished = NO_STEP  # every step up to this one has finished
-        for pid, p in self._pools.items():
+        for p in self._pools.values():
             for page in range(p.floor_pages):
                 p.state[page] = _MAPPED
-                self._maps[(pid, page)] = None
+                self._maps[page * self._npools + p.index] = None
             p.held = p.floor_pages
             self._held += p.floor_pages
 
@@ -223,9 +231,17 @@ class PageLedger:
     def use(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
         """These blocks now hold data: map their pages (revive pending ones). All or
         nothing: raises :class:`OutOfBlocksError` if the budget cannot hold the new pages."""
-        p = self._pools.get(pool_id) or self._pool(pool_id)
-        if not isinstance(blocks, (list, tuple, range)):
+        if type(blocks) is not list and not isinstance(blocks, (tuple, range)):
             blocks = list(blocks)
+        if len(blocks) == 1:  # a decode step's block: the one-block path
+            if not self.try_use_one(pool_id, blocks[0]):
+                new = self._new_pages(self._pool(pool_id), blocks) or ()
+                raise OutOfBlocksError(
+                    f"pool {pool_id}: 1 block needs {len(new)} new pages of "
+                    f"{self.page_bytes} bytes, {self.budget_pages - self._held} left in the "
+                    f"budget of {self.budget_bytes} bytes")
+            return
+        p = self._pools.get(pool_id) or self._pool(pool_id)
         room = self.budget_pages - self._held
         # count the new pages only when the budget could fall short of the worst case
         new = self._new_pages(p, blocks) if len(blocks) * p.span > room else None
@@ -235,63 +251,118 @@ class PageLedger:
                 f"{self.page_bytes} bytes, {self.budget_pages - self._held} left in the "
                 f"budget of {self.budget_bytes} bytes"
             )
-        bb, pb, ceiling = p.spec.block_bytes, self.page_bytes, p.spec.ceiling_blocks
+        if new is None and blocks and (min(blocks) < 0 or max(blocks) >= p.ceiling):
+            for b in blocks:  # ids not checked by the count: name the first bad one
+                self._check_block(p, b)
+        self._use_checked(p, pool_id, blocks)
+
+    def _use_checked(self, p: _PoolPages, pool_id: PoolId, blocks: Sequence[BlockId]) -> None:
+        """:meth:`use` once the ids and the budget are checked."""
+        bb, pb = p.bb, self.page_bytes
         used, count, state = p.block_used, p.count, p.state
-        if new is None:  # ids not checked by the count
+        n, idx = self._npools, p.index
+        maps, pending, unmaps = self._maps, self._pending, self._unmaps
+        mapped = 0
+        try:
             for b in blocks:
-                if not 0 <= b < ceiling:
-                    self._check_block(p, b)
-        for b in blocks:
-            if used[b]:
-                raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
-            used[b] = 1
-            for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
-                count[pg] += 1
-                s = state[pg]
-                if s == _MAPPED:
-                    continue
-                key = (pool_id, pg)
-                if s == _PENDING:
-                    del self._pending[key]
-                else:
-                    # an unmap not yet drained is cancelled: the page never left the device
-                    if self._unmaps.pop(key, None) is None:
-                        self._maps[key] = None
-                    p.held += 1
-                    self._held += 1
-                state[pg] = _MAPPED
+                if used[b]:
+                    raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
+                used[b] = 1
+                lo = b * bb // pb
+                hi = ((b + 1) * bb - 1) // pb
+                for pg in (lo,) if lo == hi else range(lo, hi + 1):
+                    c = count[pg]
+                    count[pg] = c + 1
+                    if c or state[pg] == _MAPPED:  # holds data already, or a floor page
+                        continue
+                    key = pg * n + idx
+                    if state[pg] == _PENDING:
+                        del pending[key]
+                    else:
+                        # an unmap not yet drained is cancelled: the page never left the device
+                        if unmaps.pop(key, None) is None:
+                            maps[key] = None
+                        mapped += 1
+                    state[pg] = _MAPPED
+        finally:
+            p.held += mapped
+            self._held += mapped
+
+    def try_use_one(self, pool_id: PoolId, block: BlockId) -> bool:
+        """:meth:`use` of one block, False instead of :class:`OutOfBlocksError` (nothing
+        changed) when the budget cannot hold its new pages: a decode step's allocation."""
+        p = self._pools.get(pool_id) or self._pool(pool_id)
+        if p.span > self.budget_pages - self._held:  # could be short: count its new pages
+            new = self._new_pages(p, (block,))
+            if new and len(new) > self.budget_pages - self._held:
+                return False
+        b = block
+        if not 0 <= b < p.ceiling:
+            self._check_block(p, b)
+        pb = self.page_bytes
+        lo = b * p.bb // pb
+        if lo != ((b + 1) * p.bb - 1) // pb:  # straddles pages: the general loop
+            self._use_checked(p, pool_id, (b,))
+            return True
+        if p.block_used[b]:
+            raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
+        p.block_used[b] = 1
+        c = p.count[lo]
+        p.count[lo] = c + 1
+        state = p.state
+        if c or state[lo] == _MAPPED:
+            return True
+        key = lo * self._npools + p.index
+        if state[lo] == _PENDING:
+            del self._pending[key]
+        else:
+            if self._unmaps.pop(key, None) is None:
+                self._maps[key] = None
+            p.held += 1
+            self._held += 1
+        state[lo] = _MAPPED
+        return True
 
     def release(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
         """These blocks hold no data any more; pages left empty become pending (or, if
         their map was never applied, are dropped at once)."""
         p = self._pools.get(pool_id) or self._pool(pool_id)
-        bb, pb = p.spec.block_bytes, self.page_bytes
-        used, count, floor, ceiling = p.block_used, p.count, p.floor_pages, p.spec.ceiling_blocks
-        for b in blocks:
-            if not (0 <= b < ceiling and used[b]):
-                self._check_block(p, b)
-                raise CacheCorruptedError(f"pool {pool_id}: block {b} released but not in use")
-            used[b] = 0
-            for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
-                count[pg] -= 1
-                if not count[pg] and pg >= floor:
-                    self._emptied(p, pool_id, pg)
-
-    def _emptied(self, p: _PoolPages, pool_id: PoolId, pg: int) -> None:
-        key = (pool_id, pg)
-        if key in self._maps:  # never reached the device
-            del self._maps[key]
-            p.state[pg] = _UNMAPPED
-            p.held -= 1
-            self._held -= 1
-        elif self.launched <= self.finished:  # nothing in flight can read it
-            p.state[pg] = _UNMAPPED
-            p.held -= 1
-            self._held -= 1
-            self._unmaps[key] = UnmapOp(pool_id, pg, self.launched)
-        else:
-            p.state[pg] = _PENDING
-            self._pending[key] = self.launched
+        bb, pb = p.bb, self.page_bytes
+        used, count, floor, ceiling = p.block_used, p.count, p.floor_pages, p.ceiling
+        state = p.state
+        n, idx = self._npools, p.index
+        maps, pending, unmaps = self._maps, self._pending, self._unmaps
+        launched = self.launched
+        in_flight = launched > self.finished
+        dropped = 0
+        try:
+            for b in blocks:
+                if not (0 <= b < ceiling and used[b]):
+                    self._check_block(p, b)
+                    raise CacheCorruptedError(
+                        f"pool {pool_id}: block {b} released but not in use")
+                used[b] = 0
+                lo = b * bb // pb
+                hi = ((b + 1) * bb - 1) // pb
+                for pg in (lo,) if lo == hi else range(lo, hi + 1):
+                    c = count[pg] - 1
+                    count[pg] = c
+                    if c or pg < floor:
+                        continue
+                    key = pg * n + idx
+                    if maps.pop(key, 0) is None:  # never reached the device
+                        state[pg] = _UNMAPPED
+                        dropped += 1
+                    elif in_flight:  # the step in flight may read it: unmap after it
+                        state[pg] = _PENDING
+                        pending[key] = launched
+                    else:  # nothing in flight can read it
+                        state[pg] = _UNMAPPED
+                        dropped += 1
+                        unmaps[key] = launched
+        finally:
+            p.held -= dropped
+            self._held -= dropped
 
     def bytes_freed_by(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> int:
         """Bytes that would leave the budget (after the step in flight) if these blocks --
@@ -341,21 +412,34 @@ class PageLedger:
         if step <= self.finished:
             return
         self.finished = step
-        done = [k for k, s in self._pending.items() if s <= step]
+        pending = self._pending
+        if not pending:
+            return
+        done = []
+        for key, s in pending.items():  # steps in increasing order: stop at the first later
+            if s > step:
+                break
+            done.append(key)
+        n = self._npools
+        pools = self._pools
+        ids = self._pool_ids
+        unmaps = self._unmaps
         for key in done:
-            waited = self._pending.pop(key)
-            pid, pg = key
-            p = self._pools[pid]
+            pg, i = divmod(key, n)
+            p = pools[ids[i]]
             p.state[pg] = _UNMAPPED
             p.held -= 1
-            self._held -= 1
-            self._unmaps[key] = UnmapOp(pid, pg, waited)
+            unmaps[key] = pending.pop(key)
+        self._held -= len(done)
 
     def drain(self) -> list[PageOp]:
         """The ops to apply now, between steps, in order: unmaps (their step finished;
         their bytes are already free in the ledger), then maps."""
-        out: list[PageOp] = list(self._unmaps.values())
-        out.extend(MapOp(pid, pg) for pid, pg in self._maps)
+        n = self._npools
+        ids = self._pool_ids
+        out: list[PageOp] = [UnmapOp(ids[key % n], key // n, s)
+                             for key, s in self._unmaps.items()]
+        out += [MapOp(ids[key % n], key // n) for key in self._maps]
         self._unmaps.clear()
         self._maps.clear()
         return out
@@ -380,13 +464,14 @@ class PageLedger:
                 s = p.state[pg]
                 if pg < p.floor_pages and s != _MAPPED:
                     bad.append(f"pool {pid}: floor page {pg} not mapped")
-                if (s == _PENDING) != ((pid, pg) in self._pending):
+                key = pg * self._npools + p.index
+                if (s == _PENDING) != (key in self._pending):
                     bad.append(f"pool {pid}: page {pg} pending state disagrees")
                 if s == _PENDING and count[pg]:
                     bad.append(f"pool {pid}: pending page {pg} holds {count[pg]} blocks")
-                if (pid, pg) in self._maps and s != _MAPPED:
+                if key in self._maps and s != _MAPPED:
                     bad.append(f"pool {pid}: page {pg} queued to map but not held")
-                if (pid, pg) in self._unmaps and (s != _UNMAPPED or count[pg]):
+                if key in self._unmaps and (s != _UNMAPPED or count[pg]):
                     bad.append(f"pool {pid}: page {pg} queued to unmap but held")
             n = sum(1 for s in p.state if s != _UNMAPPED)
             if n != p.held:

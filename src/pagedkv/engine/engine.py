@@ -46,7 +46,9 @@ class EngineOptions:
     and every free page before each step, ``shuffle_seed`` shuffles the free lists,
     ``record_logits`` keeps every computed row's logits (:attr:`Engine.logits`).
     ``attention_backend`` (None: the torch reference ops) is the kernel seam of
-    :mod:`pagedkv.modeling.base`."""
+    :mod:`pagedkv.modeling.base`. ``block_major_cache`` lays each pool out block by block
+    (every layer of block b in one stretch: what the elastic page ledger counts) instead
+    of layer by layer (:mod:`pagedkv.engine.cache`)."""
 
     device: str = "cpu"
     dtype: str | None = None
@@ -64,6 +66,7 @@ class EngineOptions:
     checked: bool | None = None
     attention_backend: AttentionBackend | None = None
     spec_tokens: int = 0  # lookahead slots per decode for draft tokens (runner ``drafts``)
+    block_major_cache: bool = False  # pools laid out block by block (engine/cache.py)
 
 
 @dataclass
@@ -116,7 +119,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.plan, self.specs, self.manager,
                                   device=self.device, kv_dtype=self.dtype,
                                   debug_nan=options.debug_nan, shuffle_seed=options.shuffle_seed,
-                                  backend=options.attention_backend or reference_attention)
+                                  backend=options.attention_backend or reference_attention,
+                                  block_major=options.block_major_cache)
         eos = getattr(generation, "eos_token_id", None)
         eos = eos if eos is not None else getattr(text, "eos_token_id", None)
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

@@ -39,7 +39,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, plan: Plan, specs: Sequence[LayerSpec],
                  manager: KVCacheManager, *, device: torch.device, kv_dtype: torch.dtype,
                  debug_nan: bool = False, shuffle_seed: int | None = None,
-                 backend: AttentionBackend = reference_attention) -> None:
+                 backend: AttentionBackend = reference_attention,
+                 block_major: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.plan = plan
@@ -49,7 +50,8 @@ class ModelRunner:
         self.specs = {s.name: s for s in specs}
         self.layer_group = {name: g.id for g in plan.groups for name in g.layer_names}
         self.gids = [m.gid for m in manager.managers]
-        self.caches = allocate_caches(plan, device=device, kv_dtype=kv_dtype, nan=debug_nan)
+        self.caches = allocate_caches(plan, device=device, kv_dtype=kv_dtype, nan=debug_nan,
+                                      block_major=block_major)
         self.group_tensors = {
             g.id: [t for name in g.layer_names for t in self.caches.get(name, {}).values()]
             for g in plan.groups}
