@@ -149,9 +149,13 @@ def test_fast_path_equals_build_metadata_over_decode_runs(seed):
         assert_same(got, build_metadata(sched, run.groups, pad_batch_to=batch_b,
                                         pad_tokens_to=token_b, max_blocks=WIDTH))
         # a bucket's arrays never move (what a captured CUDA graph relies on)
+        # (an empty tensor reports address 0: nothing is read through it)
         ptrs = {(gid, name): getattr(m, name).data_ptr() for gid, m in got.items()
-                for name in ("block_table", "slot_mapping", "seq_lens", "paged_kv_indices")}
-        assert addresses.setdefault((batch_b, token_b), ptrs) == ptrs
+                for name in ("block_table", "slot_mapping", "seq_lens", "paged_kv_indices")
+                if getattr(m, name).numel()}
+        seen = addresses.setdefault((batch_b, token_b), ptrs)
+        assert all(seen[key] == ptr for key, ptr in ptrs.items() if key in seen)
+        seen.update(ptrs)
         for r in sched:
             run.settle(r.req_id, r.num_new_tokens, r.num_draft_tokens)
 
