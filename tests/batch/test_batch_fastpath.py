@@ -189,3 +189,15 @@ def test_persistent_refuses_wider_or_larger_steps():
     meta = pm.step(["a"], [2], [2])[0]  # 3 blocks held, 2 read: the table keeps 2 columns
     assert meta.block_table.tolist() == [[1, 2], [0, 0]]
     assert meta.slot_mapping.tolist() == [4, 5, -1, -1]
+
+
+def test_wide_fixed_table_reads_only_the_used_columns():
+    group = make_group(0, 2, num_blocks=1000)
+    pm = PersistentMetadata([group], max_blocks=300, batch_buckets=[4], token_buckets=[8], device="cpu")
+    rng = random.Random(3)
+    ids = rng.sample(range(1000), 12)
+    reqs = [ScheduledRequest("a", 9, 1, {0: ids[:5]}), ScheduledRequest("b", 2, 1, {0: ids[5:7]}),
+            ScheduledRequest("c", 0, 3, {0: ids[7:12]})]
+    got = pm.step_requests(reqs)
+    assert_same(got, build_metadata(reqs, [group], pad_batch_to=4, pad_tokens_to=8, max_blocks=300))
+    assert got[0].paged_kv_indices.tolist() == ids[:5] + ids[5:7] + ids[7:9]

@@ -65,7 +65,10 @@ def fill_derived(
         last[n:] = 0
         indptr[n + 1 :] = nnz
     if nnz:
-        arrays["paged_kv_indices"][:nnz] = table[:n][prefix_masks(width).take(pages, axis=0)]
+        used = width
+        if width > 64:  # a fixed-width table (CUDA graphs) may be far wider than any row reads
+            used = int(pages.max())
+        arrays["paged_kv_indices"][:nnz] = table[:n, :used][prefix_masks(used).take(pages, axis=0)]
 
     slots, positions = arrays["slot_mapping"], arrays["positions"]
     flat = table.reshape(-1)
