@@ -10,7 +10,7 @@ so that a loaded machine slows them alike):
   requests are built before timing, and its cost does not depend on the step);
 - ``MetadataBuilder.step + view``: host block tables kept across steps; every step each
   request's length grows by one, and the requests whose new token opens a block get it
-  first through ``append_blocks`` (timed apart: ``appends``, ~batch/16 calls a step);
+  first, in one ``append_each`` call (timed apart: ``appends``, ~batch/16 requests a step);
 - ``PersistentMetadata.step + view``: the same steps into fixed, bucketed buffers (the
   CUDA-graph mode; buckets 64/256/1024, block tables wide enough for the whole run).
 
@@ -137,8 +137,8 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
         decode, builder = runs[name]
         opened = decode.advance()
         t0 = time.perf_counter_ns()
-        for rid, block in opened:
-            builder.append_blocks(rid, {0: (block,)})
+        if opened:
+            builder.append_each([rid for rid, _ in opened], {0: [block for _, block in opened]})
         t1 = time.perf_counter_ns()
         view = attention_view(builder.step(decode.ids, decode.computed, decode.new)[0], att,
                               causal=True)
@@ -178,7 +178,7 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
     base = medians[STATELESS]
     rows = []
     for name in (STATELESS, INCREMENTAL, APPENDS, PERSISTENT):
-        label = f"  appends (~{batch / BLOCK:g} append_blocks)" if name == APPENDS else name
+        label = f"  appends (append_each, ~{batch / BLOCK:g} reqs)" if name == APPENDS else name
         rows.append((batch, label, medians[name], medians[name] / base, copies.get(name, 0)))
     return rows, mismatch
 

@@ -21,7 +21,7 @@ from test_batch_incremental import assert_same  # noqa: E402
 from pagedkv.batch import ScheduledRequest, build_metadata  # noqa: E402
 from pagedkv.batch.incremental import MetadataBuilder  # noqa: E402
 from pagedkv.batch.persistent import PersistentMetadata  # noqa: E402
-from pagedkv.errors import InvalidArgumentError  # noqa: E402
+from pagedkv.errors import InvalidArgumentError, MetadataError  # noqa: E402
 from pagedkv.kvspec import SlidingWindow  # noqa: E402
 
 NUM_BLOCKS = 4000
@@ -69,7 +69,9 @@ class Run:
         self.live[rid] = [computed, blocks]
         self.order.append(rid)
 
-    def grow(self, rid: str, new: int) -> None:
+    def grow(self, rid: str, new: int, batched: dict | None = None) -> None:
+        """Append what ``new`` more tokens need; single blocks go to ``batched`` (group ->
+        [(request, block)]) for one ``append_each`` per group when it is given."""
         computed, blocks = self.live[rid]
         extra = {}
         for g in self.groups:
@@ -77,7 +79,10 @@ class Run:
             add = [self.pool.pop() for _ in range(max(0, need - len(blocks[g.id])))]
             if add:
                 blocks[g.id] += add
-                extra[g.id] = add
+                if batched is not None and len(add) == 1:
+                    batched.setdefault(g.id, []).append((rid, add[0]))
+                else:
+                    extra[g.id] = add
         if extra:
             self.each("append_blocks", rid, extra)
 
@@ -129,11 +134,17 @@ def test_fast_path_equals_build_metadata_over_decode_runs(seed):
             run.window_free(rng.choice(run.order))
         pure_decode = rng.random() < 0.6
         sched = []
+        batched: dict | None = {} if rng.random() < 0.5 else None
+        plan = []
         for rid in run.order:
             kind = "decode" if pure_decode else rng.choice(["decode", "decode", "draft", "prefill"])
             drafts = rng.randint(1, 3) if kind == "draft" else 0
             new = 1 + drafts if kind != "prefill" else rng.randint(2, 6)
-            run.grow(rid, new)
+            run.grow(rid, new, batched)
+            plan.append((rid, new, drafts))
+        for gid, pairs in (batched or {}).items():
+            run.each("append_each", [r for r, _ in pairs], {gid: [b for _, b in pairs]})
+        for rid, new, drafts in plan:
             computed, blocks = run.live[rid]
             sched.append(ScheduledRequest(rid, computed, new, {g: list(b) for g, b in blocks.items()},
                                           drafts))
@@ -201,3 +212,30 @@ def test_wide_fixed_table_reads_only_the_used_columns():
     got = pm.step_requests(reqs)
     assert_same(got, build_metadata(reqs, [group], pad_batch_to=4, pad_tokens_to=8, max_blocks=300))
     assert got[0].paged_kv_indices.tolist() == ids[:5] + ids[5:7] + ids[7:9]
+
+
+def test_append_each_equals_append_blocks_and_refuses_bad_input():
+    gs = [make_group(0, 2, num_blocks=100), make_group(1, 4, num_blocks=100)]
+    one, many = MetadataBuilder(gs, rows=1, width=1), MetadataBuilder(gs, rows=1, width=1)
+    for b in (one, many):
+        b.add("a", {0: [1, 2], 1: [3]})
+        b.add("b", {0: [4], 1: [14]})
+        b.add("c", {0: [5], 1: [6]})
+    one.append_blocks("c", {0: [7], 1: [8]})
+    one.append_blocks("a", {0: [9], 1: [10]})
+    many.append_each(["c", "a"], {0: [7, 9], 1: np.array([8, 10])})
+    for rid in ("a", "b", "c"):
+        for gid in (0, 1):
+            assert many.blocks(rid, gid) == one.blocks(rid, gid)
+    assert many.blocks("a", 0) == (1, 2, 9) and many.blocks("c", 1) == (6, 8)
+    assert_same(many.step(["a", "b", "c"], [4, 1, 2], [1, 1, 1]),
+                one.step(["a", "b", "c"], [4, 1, 2], [1, 1, 1]))
+    with pytest.raises(InvalidArgumentError, match="named twice"):
+        many.append_each(["a", "a"], {0: [11, 12]})
+    with pytest.raises(InvalidArgumentError, match="2 block ids for 1 requests"):
+        many.append_each(["a"], {0: [11, 12]})
+    with pytest.raises(MetadataError, match="block id 100"):
+        many.append_each(["a", "b"], {1: [11, 12], 0: [13, 100]})
+    assert many.blocks("a", 1) == (3, 10)  # a refused call changes no group
+    with pytest.raises(InvalidArgumentError, match="'zz' is not in the builder"):
+        many.append_each(["zz"], {0: [11]})

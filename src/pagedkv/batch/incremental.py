@@ -161,6 +161,48 @@ class MetadataBuilder:
             table = self._tables[gid]
             table.write(row, req_id, ids, int(table.lens[row]))
 
+    def append_each(
+        self, req_ids: Sequence[Hashable], block_ids: Mapping[int, Sequence[int] | np.ndarray]
+    ) -> None:
+        """One new block per request and group for many requests at once (a decode step's
+        page openings): ``block_ids[gid][i]`` is appended to ``req_ids[i]``. Vectorised:
+        what ``append_blocks`` per request costs in Python calls, done in a few numpy ops."""
+        if len(set(req_ids)) != len(req_ids):
+            raise InvalidArgumentError(f"append_each: a request is named twice in {list(req_ids)}")
+        unknown = [gid for gid in block_ids if gid not in self._tables]
+        if unknown:
+            raise InvalidArgumentError(
+                f"append_each: block ids for groups {unknown}, builder has {sorted(self._tables)}"
+            )
+        try:
+            rows = np.fromiter(map(self._rows.__getitem__, req_ids), dtype=np.intp,
+                               count=len(req_ids))
+        except KeyError as e:
+            raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
+        checked = []
+        for gid, ids in block_ids.items():
+            table = self._tables[gid]
+            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+            if arr.shape[0] != rows.shape[0]:
+                raise InvalidArgumentError(
+                    f"append_each: group {gid} has {arr.shape[0]} block ids for "
+                    f"{rows.shape[0]} requests"
+                )
+            bad = np.flatnonzero((arr < 0) | (arr >= table.limit))
+            if bad.size:
+                i = int(bad[0])
+                raise MetadataError(
+                    f"group {gid}: request {req_ids[i]!r} was given block id {int(arr[i])}, "
+                    f"outside the group's {table.limit} blocks"
+                )
+            checked.append((table, arr))
+        for table, arr in checked:  # every group checked before any changes
+            cols = table.lens[rows]
+            if rows.shape[0] and int(cols.max()) >= table.ids.shape[1]:
+                table.widen(max(int(cols.max()) + 1, 2 * table.ids.shape[1]))
+            table.ids[rows, cols] = arr
+            table.lens[rows] = cols + 1
+
     def set_blocks(self, req_id: Hashable, block_ids: Mapping[int, Sequence[int]]) -> None:
         """Replace the block lists of the groups named (rollback of lookahead blocks, a
         window group's freed blocks, any change that is not an append)."""
