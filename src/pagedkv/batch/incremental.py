@@ -23,7 +23,7 @@ import torch
 from pagedkv.batch.buffers import StepBuffers
 from pagedkv.batch.builder import _check_groups, _padded
 from pagedkv.batch.checked import checked_mode, validate_group_arrays
-from pagedkv.batch.derived import fill_derived
+from pagedkv.batch.derived import fill_derived, row_starts
 from pagedkv.batch.inputs import ScheduledRequest
 from pagedkv.batch.metadata import GroupMetadata, StepMetadata
 from pagedkv.errors import InvalidArgumentError, MetadataError
@@ -333,7 +333,7 @@ class MetadataBuilder:
         qsl, hosts = self._buffers.host(entry)
 
         if decode:
-            qsl[: n + 1] = np.arange(n + 1)
+            qsl[: n + 1] = row_starts(n + 1, 1)  # 0, 1, ..., n
             row_req = row_in_req = None
         else:
             qsl[0] = 0
