@@ -187,9 +187,12 @@ class StepBuffers:
             self._pending[self._turn] = False
         return entry.host[self._turn]
 
-    def send(self, entry: _Shape, nnz: list[int]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """Copy the filled host buffer (one copy) and return the device views; each group's
-        page list is cut to its ``nnz`` entries (fresh dicts: cached views stay intact)."""
+    def send(
+        self, entry: _Shape, nnz: list[int]
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+        """Copy the filled host buffer (one copy) and return the device views of the step
+        shape (cached: do not modify the dicts) and each group's page list cut to its
+        ``nnz`` entries."""
         if self._dev is not None:
             end = entry.layout.copy_end(nnz)
             src = self._hosts[self._turn]
@@ -200,9 +203,5 @@ class StepBuffers:
                 self._pending[self._turn] = True
                 self._turn ^= 1
         qsl, groups = entry.device
-        out = []
-        for views, count in zip(groups, nnz, strict=True):
-            views = dict(views)
-            views["paged_kv_indices"] = views["paged_kv_indices"][:count]
-            out.append(views)
-        return qsl, out
+        pages = [views["paged_kv_indices"][:count] for views, count in zip(groups, nnz, strict=True)]
+        return qsl, groups, pages

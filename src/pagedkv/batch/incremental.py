@@ -303,15 +303,15 @@ class MetadataBuilder:
         ids = req_ids if type(req_ids) is tuple else tuple(req_ids)
         n = len(ids)
         rows = self._lookup(ids)
-        computed = self._counts("num_computed_tokens", num_computed_tokens, n)
-        new = self._counts("num_new_tokens", num_new_tokens, n)
+        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
+        new, shortest = self._counts("num_new_tokens", num_new_tokens, n)
         num_tokens = int(new.sum())
         # one token row per request: no per-token index arrays (the decode fast path)
-        decode = num_tokens == n and (n == 0 or int(new.min()) == 1)
+        decode = num_tokens == n and (n == 0 or shortest == 1)
         if num_draft_tokens is None:
             drafts = (0,) * n
         else:
-            d = self._counts("num_draft_tokens", num_draft_tokens, n)
+            d, _ = self._counts("num_draft_tokens", num_draft_tokens, n)
             over = np.nonzero(d > new)[0]
             if over.size:
                 i = int(over[0])
@@ -340,7 +340,8 @@ class MetadataBuilder:
             np.cumsum(new, out=qsl[1 : n + 1])
             row_req = np.repeat(np.arange(n), new)
             row_in_req = np.arange(num_tokens) - qsl[row_req]
-        qsl[n + 1 :] = num_tokens
+        if batch > n:
+            qsl[n + 1 :] = num_tokens
         check = self.checked if checked is None else checked
         reqs = self._requests(ids, computed, new, drafts) if check else None
         nnz = []
@@ -357,7 +358,7 @@ class MetadataBuilder:
                 arrays["paged_kv_indices"] = arrays["paged_kv_indices"][:count]
                 validate_group_arrays(arrays, table.group, reqs, num_tokens)
 
-        qsl_dev, views = self._buffers.send(entry, nnz)
+        qsl_dev, views, page_lists = self._buffers.send(entry, nnz)
         if decode:
             query_lens, bounds = (1,) * n, (1, 1)
         else:
@@ -365,7 +366,8 @@ class MetadataBuilder:
             bounds = (min(query_lens, default=0), max(query_lens, default=0))
         out = {}
         seq_host: dict[int, tuple[tuple[int, ...], int]] = {}  # one offset, one set of lengths
-        for table, (_, seq_lens, _), dev in zip(tables, plans, views, strict=True):
+        for table, (_, seq_lens, _), dev, page_list in zip(tables, plans, views, page_lists,
+                                                            strict=True):
             group = table.group
             k = group.position_offset
             if k not in seq_host:
@@ -383,7 +385,7 @@ class MetadataBuilder:
                 seq_lens=dev["seq_lens"],
                 positions=dev["positions"],
                 paged_kv_indptr=dev["paged_kv_indptr"],
-                paged_kv_indices=dev["paged_kv_indices"],
+                paged_kv_indices=page_list,
                 paged_kv_last_page_len=dev["paged_kv_last_page_len"],
                 req_ids=ids,
                 query_lens_host=query_lens,
@@ -395,16 +397,18 @@ class MetadataBuilder:
         return StepMetadata(out)
 
     @staticmethod
-    def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+    def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> tuple[np.ndarray, int]:
+        """The counts as int64 (no copy when they already are) and their minimum."""
         if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
             arr = values
         else:
             arr = np.asarray(values, dtype=np.int64).reshape(-1)
         if arr.shape[0] != n:
             raise InvalidArgumentError(f"{name} has {arr.shape[0]} entries for {n} requests")
-        if n and int(arr.min()) < 0:
-            raise InvalidArgumentError(f"{name} must be >= 0, got {int(arr.min())}")
-        return arr
+        least = int(arr.min()) if n else 0
+        if least < 0:
+            raise InvalidArgumentError(f"{name} must be >= 0, got {least}")
+        return arr, least
 
     @staticmethod
     def _plan(table: _Table, rows, total, max_blocks, req_ids):
