@@ -68,7 +68,13 @@ def fill_derived(
         used = width
         if width > 64:  # a fixed-width table (CUDA graphs) may be far wider than any row reads
             used = int(pages.max())
-        arrays["paged_kv_indices"][:nnz] = table[:n, :used][prefix_masks(used).take(pages, axis=0)]
+        # (mode="clip": the indices are in range by construction, and numpy's default mode
+        # checks them and, with out=, writes through a temporary copy)
+        mask = prefix_masks(used).take(pages, axis=0, mode="clip")
+        if used == width:  # flat boolean index of a contiguous table: the fastest form
+            arrays["paged_kv_indices"][:nnz] = table[:n].reshape(-1)[mask.reshape(-1)]
+        else:
+            arrays["paged_kv_indices"][:nnz] = table[:n, :used][mask]
 
     slots, positions = arrays["slot_mapping"], arrays["positions"]
     flat = table.reshape(-1)
@@ -87,7 +93,7 @@ def fill_derived(
         return nnz
     if offset == 0:  # every row has a position (computed >= 0)
         col = pos // bs
-        block = flat.take(base + col)
+        block = flat.take(base + col, mode="clip")
         # block * bs + pos % bs == (block - col) * bs + pos
         out = slots[:m]
         np.subtract(block, col, out=out, dtype=np.int64)
@@ -98,7 +104,7 @@ def fill_derived(
     valid = pos >= 0
     safe = np.where(valid, pos, 0)
     block = np.zeros(m, dtype=np.int64)
-    block[valid] = flat.take(base[valid] + safe[valid] // bs)
+    block[valid] = flat.take(base[valid] + safe[valid] // bs, mode="clip")
     slots[:m] = np.where(valid, block * bs + safe % bs, -1)
     positions[:m] = safe
     return nnz
