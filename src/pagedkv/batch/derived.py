@@ -50,16 +50,16 @@ def fill_derived(
     indptr = arrays["paged_kv_indptr"]
     seq[:n] = seq_lens
     indptr[0] = 0
-    np.cumsum(pages, out=indptr[1 : n + 1])
+    indptr[1 : n + 1] = np.add.accumulate(pages)  # (cumsum with an int32 out= is slower)
     nnz = int(indptr[n])
     # seq - (pages - 1) * bs; 0 on an empty row, which a decode step without offset has not
     tail = pages * -bs
     tail += seq_lens
     if decode and offset == 0:
-        np.add(tail, bs, out=last[:n])
+        np.add(tail, bs, out=last[:n], casting="unsafe")  # values in [1, bs]
     else:
         tail += bs
-        np.minimum(seq_lens, tail, out=last[:n])
+        np.minimum(seq_lens, tail, out=last[:n], casting="unsafe")
     if seq.shape[0] > n:  # padding rows
         seq[n:] = 0
         last[n:] = 0
@@ -70,7 +70,7 @@ def fill_derived(
             used = int(pages.max())
         # (mode="clip": the indices are in range by construction, and numpy's default mode
         # checks them and, with out=, writes through a temporary copy)
-        mask = prefix_masks(used).take(pages, axis=0, mode="clip")
+        mask = prefix_masks(used).take(pages, 0, None, "clip")
         if used == width:  # flat boolean index of a contiguous table: the fastest form
             arrays["paged_kv_indices"][:nnz] = table[:n].reshape(-1)[mask.reshape(-1)]
         else:

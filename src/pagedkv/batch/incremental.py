@@ -337,7 +337,7 @@ class MetadataBuilder:
             row_req = row_in_req = None
         else:
             qsl[0] = 0
-            np.cumsum(new, out=qsl[1 : n + 1])
+            qsl[1 : n + 1] = np.add.accumulate(new)
             row_req = np.repeat(np.arange(n), new)
             row_in_req = np.arange(num_tokens) - qsl[row_req]
         if batch > n:
@@ -348,7 +348,7 @@ class MetadataBuilder:
         for table, (width, seq_lens, pages), host in zip(tables, plans, hosts, strict=True):
             src = table.ids if width == table.ids.shape[1] else table.ids[:, :width]
             block_table = host["block_table"]
-            np.take(src, rows, axis=0, out=block_table[:n], mode="clip")  # rows are in range
+            src.take(rows, 0, block_table[:n], "clip")  # rows are in range
             if n < batch:
                 block_table[n:] = 0
             count = fill_derived(host, table.group, seq_lens, pages, computed, row_req, row_in_req)
