@@ -5,6 +5,7 @@ frees, preemptions and mixed prefill/decode/draft steps; and one host-to-device 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -44,6 +45,12 @@ def assert_same(got, want):
         for name in ("num_reqs", "num_tokens", "req_ids", "query_lens_host", "seq_lens_host",
                      "num_draft_tokens_host", "block_size", "position_offset", "layer_names"):
             assert getattr(g, name) == getattr(w, name), (gid, name)
+
+
+def snapshot(meta):
+    """A step's metadata with its tensors cloned out of the builder's reused buffers."""
+    return {gid: replace(g, **{name: getattr(g, name).clone() for name in ARRAYS})
+            for gid, g in meta.items()}
 
 
 class Engine:
@@ -144,7 +151,7 @@ def scenario(draw):
         got = b.step([r.req_id for r in sched], [r.num_computed_tokens for r in sched],
                      np.array([r.num_new_tokens for r in sched]),
                      [r.num_draft_tokens for r in sched], checked=draw(st.booleans()), **kwargs)
-        steps[-1] += (got,)
+        steps[-1] += (snapshot(got),)  # the builder's buffers are reused by its next step
         for r in sched:  # advance; drafts may be rejected
             e.live[r.req_id][0] += r.num_new_tokens - draw(st.integers(0, r.num_draft_tokens))
     return b, steps

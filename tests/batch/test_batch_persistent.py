@@ -35,16 +35,18 @@ def test_persistent_step_equals_build_metadata_and_keeps_its_addresses():
     rng = random.Random(0)
     group = make_group(0, 4, num_blocks=200)
     pm = PersistentMetadata([group], max_blocks=6, batch_buckets=[4, 8], device="cpu")
-    first = pm.step(decode_requests(3, 4, 6, rng, 200))[0]
-    reqs = decode_requests(7, 4, 6, rng, 200)
-    got = pm.step(reqs)[0]
-    want = build_metadata(reqs, [group], pad_batch_to=8, pad_tokens_to=8, max_blocks=6)[0]
-    for name in ARRAYS:
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert got.block_table.shape == (8, 6)  # bucket 8 for 7 requests
-    # bucket 4 and bucket 8 views start at the same address: one buffer, fixed offsets
-    for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping"):
-        assert getattr(first, name).data_ptr() == getattr(got, name).data_ptr(), name
+    first = pm.step_requests(decode_requests(7, 4, 6, rng, 200))[0]
+    first_ptrs = {name: getattr(first, name).data_ptr() for name in ARRAYS}
+    for n, bucket in ((5, 8), (3, 4), (8, 8)):
+        reqs = decode_requests(n, 4, 6, rng, 200)
+        got = pm.step_requests(reqs)[0]
+        want = build_metadata(reqs, [group], pad_batch_to=bucket, pad_tokens_to=bucket, max_blocks=6)[0]
+        for name in ARRAYS:
+            assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
+        assert got.block_table.shape == (bucket, 6)
+        if bucket == 8:  # every step of one bucket reads the same addresses
+            for name in ARRAYS:
+                assert getattr(got, name).data_ptr() == first_ptrs[name], name
     assert pm.copies == 0  # a CPU target needs no host-to-device copy
 
 
@@ -53,7 +55,7 @@ def test_too_many_requests_for_the_largest_bucket_raises():
     pm = PersistentMetadata([group], max_blocks=2, batch_buckets=[2], device="cpu")
     reqs = [ScheduledRequest(i, 1, 1, {0: [i]}) for i in range(3)]
     with pytest.raises(InvalidArgumentError, match="largest bucket"):
-        pm.step(reqs)
+        pm.step_requests(reqs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a GPU")
@@ -69,7 +71,7 @@ def test_cuda_graph_decode_step_replays_with_changed_block_tables():
     pm = PersistentMetadata([group], max_blocks=width, batch_buckets=[8], device="cuda")
     k = fill_nan_(torch.empty(num_blocks, bs, kv_heads, dim, dtype=torch.bfloat16, device="cuda"))
     v = fill_nan_(torch.empty_like(k))
-    meta = pm.step(decode_requests(5, bs, width, rng, num_blocks))[0]
+    meta = pm.step_requests(decode_requests(5, bs, width, rng, num_blocks))[0]
 
     def fill_cache(m):  # write every position the step reads, the rest stays NaN
         for b, seq in enumerate(m.seq_lens.tolist()):
@@ -93,7 +95,7 @@ def test_cuda_graph_decode_step_replays_with_changed_block_tables():
     copies = pm.copies
     outputs = []
     for _ in range(2):  # new requests, new block tables and lengths, same bucket
-        meta2 = pm.step(decode_requests(rng.randrange(3, 9), bs, width, rng, num_blocks))[0]
+        meta2 = pm.step_requests(decode_requests(rng.randrange(3, 9), bs, width, rng, num_blocks))[0]
         assert meta2.block_table.data_ptr() == meta.block_table.data_ptr()
         fill_cache(meta2)
         q.copy_(torch.randn_like(q))

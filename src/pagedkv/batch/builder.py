@@ -69,18 +69,20 @@ def build_metadata(
     qsl[num_reqs + 1 :] = num_tokens
     row_req = np.repeat(np.arange(num_reqs), new)
     row_in_req = np.arange(num_tokens) - qsl[row_req]
+    hosts = {plan.group.id: {name: staging.host(f"{plan.group.id}.{name}") for name in _PER_GROUP}
+             for plan in plans}
     for plan in plans:
-        plan.fill(lambda name, gid=plan.group.id: staging.host(f"{gid}.{name}"), row_req, row_in_req)
+        plan.fill(hosts[plan.group.id], row_req, row_in_req)
 
     if checked_mode(checked):
         for plan in plans:
-            host = {name: staging.host(f"{plan.group.id}.{name}") for name in _PER_GROUP}
-            host["query_start_loc"] = qsl
+            host = dict(hosts[plan.group.id], query_start_loc=qsl)
             validate_group_arrays(host, plan.group, requests, num_tokens)
 
     views = staging.to(device)
     out = {}
     query_lens = tuple(new.tolist())
+    bounds = (min(query_lens, default=0), max(query_lens, default=0))
     drafts = tuple(r.num_draft_tokens for r in requests)
     req_ids = tuple(r.req_id for r in requests)
     for plan in plans:
@@ -98,6 +100,8 @@ def build_metadata(
             query_lens_host=query_lens,
             seq_lens_host=tuple(plan.seq_lens.tolist()),
             num_draft_tokens_host=drafts,
+            query_len_bounds=bounds,
+            max_seq_len_host=int(plan.seq_lens.max(initial=0)),
         )
     return StepMetadata(out)
 
@@ -173,9 +177,9 @@ class _GroupPlan:
             ("paged_kv_last_page_len", "int32", (batch,)),
         ]
 
-    def fill(self, host, row_req: np.ndarray, row_in_req: np.ndarray) -> None:
+    def fill(self, host: dict[str, np.ndarray], row_req: np.ndarray, row_in_req: np.ndarray) -> None:
         group, n = self.group, len(self.ids)
-        table = host("block_table")
+        table = host["block_table"]
         table.fill(0)
         kept = np.minimum(self.lens, self.width)
         total = int(kept.sum())

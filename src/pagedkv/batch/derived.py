@@ -1,64 +1,118 @@
 """Every array of a group's metadata that follows from its block table and the step's
 lengths: shared by the stateless builder and the incremental one, so both write the same
-values by construction (see :mod:`.metadata` for the conventions)."""
+values by construction (see :mod:`.metadata` for the conventions).
+
+Whole-array numpy only, no per-request Python: the host time of a step must not grow with
+the batch faster than a memory copy does.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
+from functools import lru_cache
 
 import numpy as np
 
 from pagedkv.plan.types import Group
 
 
+@lru_cache(maxsize=64)
+def prefix_masks(width: int) -> np.ndarray:
+    """bool [width + 1, width]: row k is True on its first k columns (the used pages of a
+    block-table row that reads k blocks), so a batch's page mask is one row gather."""
+    masks = np.tri(width + 1, width, -1, dtype=bool)
+    masks.flags.writeable = False
+    return masks
+
+
 def fill_derived(
-    host: Callable[[str], np.ndarray],
+    arrays: Mapping[str, np.ndarray],
     group: Group,
     seq_lens: np.ndarray,
     pages: np.ndarray,
     computed: np.ndarray,
     row_req: np.ndarray | None,
     row_in_req: np.ndarray | None,
-) -> None:
+) -> int:
     """Write seq_lens, last-page lengths, CSR pages, slots and positions of the ``n`` real
-    rows (``len(seq_lens)``) and zero/-1 the padding; ``host("block_table")`` is filled.
+    rows (``len(seq_lens)``) and zero/-1 the padding; ``arrays["block_table"]`` is filled
+    and ``arrays["paged_kv_indices"]`` holds at least ``pages.sum()`` entries (its first
+    ones are written). Returns that count (nnz).
     Token row t belongs to request ``row_req[t]`` and is its ``row_in_req[t]``-th new token;
     both None: one token row per request (a pure decode step)."""
     bs, n = group.block_size, seq_lens.shape[0]
-    table = host("block_table")
-    nnz = host("paged_kv_indices").shape[0]
-    seq = host("seq_lens")
-    last = host("paged_kv_last_page_len")
-    indptr = host("paged_kv_indptr")
+    offset = group.position_offset
+    decode = row_req is None or row_in_req is None
+    table = arrays["block_table"]
+    width = table.shape[1]
+    seq = arrays["seq_lens"]
+    last = arrays["paged_kv_last_page_len"]
+    indptr = arrays["paged_kv_indptr"]
     seq[:n] = seq_lens
-    last[:n] = np.where(pages > 0, seq_lens - (pages - 1) * bs, 0)
     indptr[0] = 0
-    indptr[1 : n + 1] = np.cumsum(pages)
+    indptr[1 : n + 1] = np.add.accumulate(pages)  # (cumsum with an int32 out= is slower)
+    nnz = int(indptr[n])
+    # seq - (pages - 1) * bs; 0 on an empty row, which a decode step without offset has not
+    tail = pages * -bs
+    tail += seq_lens
+    if decode and offset == 0:
+        np.add(tail, bs, out=last[:n], casting="unsafe")  # values in [1, bs]
+    else:
+        tail += bs
+        np.minimum(seq_lens, tail, out=last[:n], casting="unsafe")
     if seq.shape[0] > n:  # padding rows
         seq[n:] = 0
         last[n:] = 0
         indptr[n + 1 :] = nnz
-    used = np.arange(table.shape[1])[None, :] < pages[:, None]
-    host("paged_kv_indices")[:] = table[:n][used]
+    if nnz:
+        used = width
+        if width > 64:  # a fixed-width table (CUDA graphs) may be far wider than any row reads
+            used = int(pages.max())
+        # (mode="clip": the indices are in range by construction, and numpy's default mode
+        # checks them and, with out=, writes through a temporary copy)
+        mask = prefix_masks(used).take(pages, 0, None, "clip")
+        if used == width:  # flat boolean index of a contiguous table: the fastest form
+            arrays["paged_kv_indices"][:nnz] = table[:n].reshape(-1)[mask.reshape(-1)]
+        else:
+            arrays["paged_kv_indices"][:nnz] = table[:n, :used][mask]
 
-    slots, positions = host("slot_mapping"), host("positions")
-    if row_req is None or row_in_req is None:
-        row_req = np.arange(n)
-        pos = computed - group.position_offset
+    slots, positions = arrays["slot_mapping"], arrays["positions"]
+    flat = table.reshape(-1)
+    if decode:
+        m = n
+        pos = computed - offset if offset else computed
+        base = row_starts(n, width)
     else:
-        pos = computed[row_req] + row_in_req - group.position_offset
-    m = row_req.shape[0]
+        m = row_req.shape[0]  # type: ignore[union-attr]
+        pos = computed[row_req] + row_in_req - offset
+        base = row_req * width
     if slots.shape[0] > m:  # padding token rows
         slots[m:] = -1
         positions[m:] = 0
-    if group.position_offset == 0:  # every row has a position (computed >= 0)
-        block = table[row_req, pos // bs].astype(np.int64)
-        slots[:m] = block * bs + pos % bs
+    if m == 0:
+        return nnz
+    if offset == 0:  # every row has a position (computed >= 0)
+        col = pos // bs
+        block = flat.take(base + col, mode="clip")
+        # block * bs + pos % bs == (block - col) * bs + pos
+        out = slots[:m]
+        np.subtract(block, col, out=out, dtype=np.int64)
+        out *= bs
+        out += pos
         positions[:m] = pos
-        return
+        return nnz
     valid = pos >= 0
     safe = np.where(valid, pos, 0)
-    block = np.zeros_like(pos)
-    block[valid] = table[row_req[valid], safe[valid] // bs]
+    block = np.zeros(m, dtype=np.int64)
+    block[valid] = flat.take(base[valid] + safe[valid] // bs, mode="clip")
     slots[:m] = np.where(valid, block * bs + safe % bs, -1)
     positions[:m] = safe
+    return nnz
+
+
+@lru_cache(maxsize=64)
+def row_starts(n: int, width: int) -> np.ndarray:
+    """Flat index of each row's first entry in an [n, width] table (read-only)."""
+    starts = np.arange(n, dtype=np.int64) * width
+    starts.flags.writeable = False
+    return starts

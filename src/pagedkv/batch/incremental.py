@@ -20,20 +20,16 @@ from collections.abc import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
+from pagedkv.batch.buffers import StepBuffers
 from pagedkv.batch.builder import _check_groups, _padded
 from pagedkv.batch.checked import checked_mode, validate_group_arrays
-from pagedkv.batch.derived import fill_derived
+from pagedkv.batch.derived import fill_derived, row_starts
 from pagedkv.batch.inputs import ScheduledRequest
 from pagedkv.batch.metadata import GroupMetadata, StepMetadata
-from pagedkv.batch.staging import Staging
 from pagedkv.errors import InvalidArgumentError, MetadataError
 from pagedkv.plan.types import Group
 
 _INT32_MAX = 2**31 - 1
-_PER_GROUP = (
-    "block_table", "slot_mapping", "seq_lens", "positions",
-    "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
-)
 
 
 class _Table:
@@ -51,6 +47,11 @@ class _Table:
         lens = np.zeros(rows, dtype=np.int64)
         lens[: self.lens.shape[0]] = self.lens
         self.ids, self.lens = ids, lens
+
+    def widen(self, width: int) -> None:
+        wider = np.zeros((self.ids.shape[0], width), dtype=np.int32)
+        wider[:, : self.ids.shape[1]] = self.ids
+        self.ids = wider
 
     def _checked(self, req_id: Hashable, ids: Sequence[int]) -> Sequence[int] | np.ndarray:
         if len(ids) <= 8:  # a step's appends are a block or two: plain Python is faster
@@ -76,10 +77,7 @@ class _Table:
         arr = self._checked(req_id, ids)
         end = start + len(arr)
         if end > self.ids.shape[1]:
-            width = max(end, 2 * self.ids.shape[1])
-            wider = np.zeros((self.ids.shape[0], width), dtype=np.int32)
-            wider[:, : self.ids.shape[1]] = self.ids
-            self.ids = wider
+            self.widen(max(end, 2 * self.ids.shape[1]))
         old = int(self.lens[row])
         self.ids[row, start:end] = arr
         if old > end:
@@ -95,7 +93,9 @@ class MetadataBuilder:
     """Live requests' block tables on the host; one :meth:`step` per invocation.
 
     ``device`` is where step metadata goes; ``rows`` / ``width`` are initial capacities
-    (requests, blocks per request), grown as needed.
+    (requests, blocks per request), grown as needed. ``checked``: validate every step
+    (slow; default: env ``PAGEDKV_DEBUG=1``, read here, once). A step's tensors are views of
+    buffers the builder reuses: valid until its next step.
     """
 
     def __init__(
@@ -105,8 +105,10 @@ class MetadataBuilder:
         device: torch.device | str = "cpu",
         rows: int = 64,
         width: int = 16,
+        checked: bool | None = None,
     ) -> None:
         _check_groups(groups)
+        self.checked = checked_mode(checked)  # the env default is read once, here
         if rows < 1 or width < 1:
             raise InvalidArgumentError(f"rows ({rows}) and width ({width}) must be >= 1")
         self.groups = tuple(groups)
@@ -118,6 +120,7 @@ class MetadataBuilder:
         self._last_version = -1
         self._last_rows = np.zeros(0, dtype=np.intp)
         self._free = list(range(rows - 1, -1, -1))
+        self._buffers = StepBuffers(self.device)
 
     # -- request lifecycle ---------------------------------------------------------------
     def __contains__(self, req_id: object) -> bool:
@@ -157,6 +160,48 @@ class MetadataBuilder:
         for gid, ids in block_ids.items():
             table = self._tables[gid]
             table.write(row, req_id, ids, int(table.lens[row]))
+
+    def append_each(
+        self, req_ids: Sequence[Hashable], block_ids: Mapping[int, Sequence[int] | np.ndarray]
+    ) -> None:
+        """One new block per request and group for many requests at once (a decode step's
+        page openings): ``block_ids[gid][i]`` is appended to ``req_ids[i]``. Vectorised:
+        what ``append_blocks`` per request costs in Python calls, done in a few numpy ops."""
+        if len(set(req_ids)) != len(req_ids):
+            raise InvalidArgumentError(f"append_each: a request is named twice in {list(req_ids)}")
+        unknown = [gid for gid in block_ids if gid not in self._tables]
+        if unknown:
+            raise InvalidArgumentError(
+                f"append_each: block ids for groups {unknown}, builder has {sorted(self._tables)}"
+            )
+        try:
+            rows = np.fromiter(map(self._rows.__getitem__, req_ids), dtype=np.intp,
+                               count=len(req_ids))
+        except KeyError as e:
+            raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
+        checked = []
+        for gid, ids in block_ids.items():
+            table = self._tables[gid]
+            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+            if arr.shape[0] != rows.shape[0]:
+                raise InvalidArgumentError(
+                    f"append_each: group {gid} has {arr.shape[0]} block ids for "
+                    f"{rows.shape[0]} requests"
+                )
+            bad = np.flatnonzero((arr < 0) | (arr >= table.limit))
+            if bad.size:
+                i = int(bad[0])
+                raise MetadataError(
+                    f"group {gid}: request {req_ids[i]!r} was given block id {int(arr[i])}, "
+                    f"outside the group's {table.limit} blocks"
+                )
+            checked.append((table, arr))
+        for table, arr in checked:  # every group checked before any changes
+            cols = table.lens[rows]
+            if rows.shape[0] and int(cols.max()) >= table.ids.shape[1]:
+                table.widen(max(int(cols.max()) + 1, 2 * table.ids.shape[1]))
+            table.ids[rows, cols] = arr
+            table.lens[rows] = cols + 1
 
     def set_blocks(self, req_id: Hashable, block_ids: Mapping[int, Sequence[int]]) -> None:
         """Replace the block lists of the groups named (rollback of lookahead blocks, a
@@ -211,134 +256,185 @@ class MetadataBuilder:
         """This invocation's metadata for the requests ``req_ids`` in batch-row order.
 
         Equal to ``build_metadata`` of the same requests (block ids as the builder holds
-        them) with the same keyword arguments; one host-to-device copy.
+        them) with the same keyword arguments; one host-to-device copy. The tensors are
+        views of the builder's buffers: valid until its next step.
         """
-        ids_tuple = tuple(req_ids)
-        num_reqs = len(ids_tuple)
-        if ids_tuple == self._last_ids and self._version == self._last_version:
-            rows = self._last_rows  # the same batch order as last step: no lookups
-        else:
-            try:
-                rows = np.fromiter(map(self._rows.__getitem__, ids_tuple), dtype=np.intp, count=num_reqs)
-            except KeyError as e:
-                raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
-            self._last_ids, self._last_version, self._last_rows = ids_tuple, self._version, rows
-        computed = self._counts("num_computed_tokens", num_computed_tokens, num_reqs)
-        new = self._counts("num_new_tokens", num_new_tokens, num_reqs)
+        if max_blocks is not None and max_blocks < 0:
+            raise InvalidArgumentError(f"max_blocks must be >= 0, got {max_blocks}")
+
+        def shape(num_reqs: int, num_tokens: int) -> tuple[int, int, int | None]:
+            return (_padded("pad_batch_to", pad_batch_to, num_reqs),
+                    _padded("pad_tokens_to", pad_tokens_to, num_tokens), max_blocks)
+
+        return self._step(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens,
+                          checked, shape)
+
+    def step_requests(
+        self, requests: Sequence[ScheduledRequest], **kwargs: object
+    ) -> StepMetadata:
+        """:meth:`step` from ``ScheduledRequest`` s: unknown requests are added, known ones
+        get the given block lists (every group). Per-request Python: for tests and for
+        callers that hold ScheduledRequests, not the decode fast path."""
+        for r in requests:
+            blocks = {gid: r.blocks(gid) for gid in self._tables}
+            if r.req_id in self._rows:
+                self.set_blocks(r.req_id, blocks)
+            else:
+                self.add(r.req_id, blocks)
+        return self.step(  # type: ignore[arg-type]
+            [r.req_id for r in requests], [r.num_computed_tokens for r in requests],
+            [r.num_new_tokens for r in requests], [r.num_draft_tokens for r in requests],
+            **kwargs,
+        )
+
+    def _lookup(self, ids: tuple[Hashable, ...]) -> np.ndarray:
+        if ids == self._last_ids and self._version == self._last_version:
+            return self._last_rows  # the same batch order as last step: no lookups
+        try:
+            rows = np.fromiter(map(self._rows.__getitem__, ids), dtype=np.intp, count=len(ids))
+        except KeyError as e:
+            raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
+        self._last_ids, self._last_version, self._last_rows = ids, self._version, rows
+        return rows
+
+    def _step(self, req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens, checked, shape):
+        """The fast path shared by every mode; ``shape(num_reqs, num_tokens)`` gives the
+        padded batch, padded tokens and the block-table width (None: widest row)."""
+        ids = req_ids if type(req_ids) is tuple else tuple(req_ids)
+        n = len(ids)
+        rows = self._lookup(ids)
+        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
+        new, shortest = self._counts("num_new_tokens", num_new_tokens, n)
+        num_tokens = int(new.sum())
+        # one token row per request: no per-token index arrays (the decode fast path)
+        decode = num_tokens == n and (n == 0 or shortest == 1)
         if num_draft_tokens is None:
-            drafts = (0,) * num_reqs
+            drafts = (0,) * n
         else:
-            d = self._counts("num_draft_tokens", num_draft_tokens, num_reqs)
+            d, _ = self._counts("num_draft_tokens", num_draft_tokens, n)
             over = np.nonzero(d > new)[0]
             if over.size:
                 i = int(over[0])
                 raise InvalidArgumentError(
-                    f"request {req_ids[i]!r}: {int(d[i])} draft tokens but only {int(new[i])} "
+                    f"request {ids[i]!r}: {int(d[i])} draft tokens but only {int(new[i])} "
                     "new tokens (drafts are counted among the new tokens)"
                 )
             drafts = tuple(d.tolist())
-        if max_blocks is not None and max_blocks < 0:
-            raise InvalidArgumentError(f"max_blocks must be >= 0, got {max_blocks}")
-        batch = _padded("pad_batch_to", pad_batch_to, num_reqs)
-        num_tokens = int(new.sum())
-        tokens = _padded("pad_tokens_to", pad_tokens_to, num_tokens)
+        batch, tokens, max_blocks = shape(n, num_tokens)
 
-        staging = Staging()
-        staging.add("query_start_loc", "int32", (batch + 1,))
-        plans = [self._plan(t, rows, computed, new, max_blocks, req_ids) for t in self._tables.values()]
-        for gid, width, _, _, _, nnz in plans:
-            for name, dtype, shape in (
-                ("slot_mapping", "int64", (tokens,)), ("positions", "int64", (tokens,)),
-                ("block_table", "int32", (batch, width)), ("seq_lens", "int32", (batch,)),
-                ("paged_kv_indptr", "int32", (batch + 1,)), ("paged_kv_indices", "int32", (nnz,)),
-                ("paged_kv_last_page_len", "int32", (batch,)),
-            ):
-                staging.add(f"{gid}.{name}", dtype, shape)
-        staging.allocate(self.device)
+        total = computed + new
+        tables = self._tables.values()
+        plans = [self._plan(table, rows, total, max_blocks, ids) for table in tables]
+        widths = tuple(p[0] for p in plans)
+        for table, width in zip(tables, widths, strict=True):
+            if width > table.ids.shape[1]:
+                table.widen(width)
+        entry = self._buffers.shape(batch, tokens, widths)
+        qsl, hosts = self._buffers.host(entry)
 
-        qsl = staging.host("query_start_loc")
-        qsl[0] = 0
-        qsl[1 : num_reqs + 1] = np.cumsum(new)
-        qsl[num_reqs + 1 :] = num_tokens
-        row_req: np.ndarray | None = None  # None: one token row per request (pure decode)
-        row_in_req: np.ndarray | None = None
-        if num_tokens != num_reqs or (num_reqs > 0 and int(new.min()) != 1):
-            row_req = np.repeat(np.arange(num_reqs), new)
+        if decode:
+            qsl[: n + 1] = row_starts(n + 1, 1)  # 0, 1, ..., n
+            row_req = row_in_req = None
+        else:
+            qsl[0] = 0
+            qsl[1 : n + 1] = np.add.accumulate(new)
+            row_req = np.repeat(np.arange(n), new)
             row_in_req = np.arange(num_tokens) - qsl[row_req]
-        for gid, width, seq_lens, pages, _, _ in plans:
-            def host(name: str, gid: int = gid) -> np.ndarray:
-                return staging.host(f"{gid}.{name}")
-            ids = self._tables[gid].ids
-            table = host("block_table")
-            kept = min(width, ids.shape[1])
-            table[:num_reqs, :kept] = ids[rows, :kept]
-            if kept < width:
-                table[:num_reqs, kept:] = 0
-            if num_reqs < batch:
-                table[num_reqs:] = 0
-            fill_derived(host, self._tables[gid].group, seq_lens, pages, computed, row_req, row_in_req)
+        if batch > n:
+            qsl[n + 1 :] = num_tokens
+        check = self.checked if checked is None else checked
+        reqs = self._requests(ids, computed, new, drafts) if check else None
+        nnz = []
+        for table, (width, seq_lens, pages), host in zip(tables, plans, hosts, strict=True):
+            src = table.ids if width == table.ids.shape[1] else table.ids[:, :width]
+            block_table = host["block_table"]
+            src.take(rows, 0, block_table[:n], "clip")  # rows are in range
+            if n < batch:
+                block_table[n:] = 0
+            count = fill_derived(host, table.group, seq_lens, pages, computed, row_req, row_in_req)
+            nnz.append(count)
+            if reqs is not None:
+                arrays = dict(host, query_start_loc=qsl)
+                arrays["paged_kv_indices"] = arrays["paged_kv_indices"][:count]
+                validate_group_arrays(arrays, table.group, reqs, num_tokens)
 
-        if checked_mode(checked):
-            reqs = self._requests(req_ids, computed, new, drafts)
-            for gid, *_ in plans:
-                arrays = {name: staging.host(f"{gid}.{name}") for name in _PER_GROUP}
-                arrays["query_start_loc"] = qsl
-                validate_group_arrays(arrays, self._tables[gid].group, reqs, num_tokens)
-
-        views = staging.to(self.device)
-        query_lens = tuple(new.tolist())
+        qsl_dev, views, page_lists = self._buffers.send(entry, nnz)
+        if decode:
+            query_lens, bounds = (1,) * n, (1, 1)
+        else:
+            query_lens = tuple(new.tolist())
+            bounds = (min(query_lens, default=0), max(query_lens, default=0))
         out = {}
-        for gid, _, seq_lens, _, _, _ in plans:
-            group = self._tables[gid].group
-            out[gid] = GroupMetadata(
-                group_id=gid,
+        seq_host: dict[int, tuple[tuple[int, ...], int]] = {}  # one offset, one set of lengths
+        for table, (_, seq_lens, _), dev, page_list in zip(tables, plans, views, page_lists,
+                                                            strict=True):
+            group = table.group
+            k = group.position_offset
+            if k not in seq_host:
+                seq_host[k] = (tuple(seq_lens.tolist()), int(seq_lens.max(initial=0)))
+            out[group.id] = GroupMetadata(
+                group_id=group.id,
                 block_size=group.block_size,
-                position_offset=group.position_offset,
+                position_offset=k,
                 layer_names=group.layer_names,
-                num_reqs=num_reqs,
+                num_reqs=n,
                 num_tokens=num_tokens,
-                query_start_loc=views["query_start_loc"],
-                **{name: views[f"{gid}.{name}"] for name in _PER_GROUP},
-                req_ids=ids_tuple,
+                block_table=dev["block_table"],
+                slot_mapping=dev["slot_mapping"],
+                query_start_loc=qsl_dev,
+                seq_lens=dev["seq_lens"],
+                positions=dev["positions"],
+                paged_kv_indptr=dev["paged_kv_indptr"],
+                paged_kv_indices=page_list,
+                paged_kv_last_page_len=dev["paged_kv_last_page_len"],
+                req_ids=ids,
                 query_lens_host=query_lens,
-                seq_lens_host=tuple(seq_lens.tolist()),
+                seq_lens_host=seq_host[k][0],
                 num_draft_tokens_host=drafts,
+                query_len_bounds=bounds,
+                max_seq_len_host=seq_host[k][1],
             )
         return StepMetadata(out)
 
     @staticmethod
-    def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+    def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> tuple[np.ndarray, int]:
+        """The counts as int64 (no copy when they already are) and their minimum."""
         if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
             arr = values
         else:
             arr = np.asarray(values, dtype=np.int64).reshape(-1)
         if arr.shape[0] != n:
             raise InvalidArgumentError(f"{name} has {arr.shape[0]} entries for {n} requests")
-        if n and int(arr.min()) < 0:
-            raise InvalidArgumentError(f"{name} must be >= 0, got {int(arr.min())}")
-        return arr
+        least = int(arr.min()) if n else 0
+        if least < 0:
+            raise InvalidArgumentError(f"{name} must be >= 0, got {least}")
+        return arr, least
 
     @staticmethod
-    def _plan(table: _Table, rows, computed, new, max_blocks, req_ids):
-        """(group id, table width, seq_lens, pages, lens, nnz) of one group's step."""
+    def _plan(table: _Table, rows, total, max_blocks, req_ids):
+        """(block-table width, seq_lens, pages) of one group's step."""
         group, bs = table.group, table.group.block_size
-        seq_lens = np.maximum(computed + new - group.position_offset, 0)
-        pages = -(-seq_lens // bs)
+        k = group.position_offset
+        seq_lens = np.maximum(total - k, 0) if k else total
+        pages = (seq_lens + (bs - 1)) // bs
         lens = table.lens[rows]
-        short = np.nonzero(lens < pages)[0]
-        if short.size:
-            i = int(short[0])
+        short = lens < pages
+        if short.any():
+            i = int(np.argmax(short))
             raise MetadataError(
                 f"group {group.id}: request {req_ids[i]!r} (row {i}) needs {int(pages[i])} "
                 f"blocks of {bs} for {int(seq_lens[i])} positions but has {int(lens[i])} allocated"
             )
-        need = int(pages.max(initial=0))
-        width = int(lens.max(initial=0)) if max_blocks is None else max_blocks
-        if width < need:
-            raise InvalidArgumentError(
-                f"group {group.id}: max_blocks={width} but a request reads {need} blocks"
-            )
-        return group.id, width, seq_lens, pages, lens, int(pages.sum())
+        if max_blocks is None:
+            width = int(lens.max(initial=0))
+        else:
+            width = max_blocks
+            need = int(pages.max(initial=0))
+            if width < need:
+                raise InvalidArgumentError(
+                    f"group {group.id}: max_blocks={width} but a request reads {need} blocks"
+                )
+        return width, seq_lens, pages
 
     def _requests(self, req_ids, computed, new, drafts) -> list[ScheduledRequest]:
         """The step as ScheduledRequests (checked mode only: slow)."""

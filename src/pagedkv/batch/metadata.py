@@ -65,6 +65,10 @@ class GroupMetadata:
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
     num_draft_tokens_host: tuple[int, ...]
+    # (shortest, longest) query and the longest sequence of the real rows, when the builder
+    # already has them from its arrays: saves Python passes over the tuples each step
+    query_len_bounds: tuple[int, int] | None = None
+    max_seq_len_host: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -72,11 +76,21 @@ class GroupMetadata:
         return int(self.seq_lens.shape[0])
 
     @property
+    def min_query_len(self) -> int:
+        if self.query_len_bounds is not None:
+            return self.query_len_bounds[0]
+        return min(self.query_lens_host, default=0)
+
+    @property
     def max_query_len(self) -> int:
+        if self.query_len_bounds is not None:
+            return self.query_len_bounds[1]
         return max(self.query_lens_host, default=0)
 
     @property
     def max_seq_len(self) -> int:
+        if self.max_seq_len_host is not None:
+            return self.max_seq_len_host
         return max(self.seq_lens_host, default=0)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -147,7 +147,7 @@ def attention_view(meta: GroupMetadata, group: AttentionGroup, *, causal: bool) 
                 f"{meta.group_id} ({len(names)} layers)"
             )
     q_lens = meta.query_lens_host
-    shortest, longest = min(q_lens, default=0), max(q_lens, default=0)
+    shortest, longest = meta.min_query_len, meta.max_query_len
     if not causal:
         if not group.supports_non_causal:
             raise UnsupportedCapabilityError(
@@ -167,12 +167,12 @@ def attention_view(meta: GroupMetadata, group: AttentionGroup, *, causal: bool) 
             )
     threshold = group.decode_threshold
     if shortest > 0 and longest <= threshold:  # all decodes: no per-row Python work
-        decodes: tuple[int, ...] = tuple(range(len(q_lens)))
+        decodes: tuple[int, ...] = _all_rows(len(q_lens))
         prefills: tuple[int, ...] = ()
-        decode_tokens, prefill_tokens = sum(q_lens), 0
+        decode_tokens, prefill_tokens = meta.num_tokens, 0
     elif shortest > threshold:  # all prefills
-        decodes, prefills = (), tuple(range(len(q_lens)))
-        decode_tokens, prefill_tokens = 0, sum(q_lens)
+        decodes, prefills = (), _all_rows(len(q_lens))
+        decode_tokens, prefill_tokens = 0, meta.num_tokens
     else:
         decodes = tuple(i for i, q in enumerate(q_lens) if 0 < q <= threshold)
         prefills = tuple(i for i, q in enumerate(q_lens) if q > threshold)
@@ -187,3 +187,8 @@ def attention_view(meta: GroupMetadata, group: AttentionGroup, *, causal: bool) 
         num_decode_tokens=decode_tokens,
         num_prefill_tokens=prefill_tokens,
     )
+
+
+@lru_cache(maxsize=64)
+def _all_rows(n: int) -> tuple[int, ...]:
+    return tuple(range(n))

@@ -1,0 +1,207 @@
+"""Step buffers reused across steps: a packed host staging buffer (pinned, two used in turn,
+when the device is CUDA) and one device buffer, every array at an offset fixed by the step's
+shape.
+
+A fresh buffer and fresh tensor views every step cost more host time than filling the
+arrays. Here a step whose shape (batch rows, token rows, block-table width per group) was
+seen before reuses that shape's numpy and torch views; only each group's CSR page list,
+whose length changes every few steps, is sliced per step. The device buffer does not move
+unless it must grow (never, when sized up front for CUDA graphs), so a graph captured for a
+shape replays with the data of any later step of that shape. A step's tensors are valid
+until the next step that uses the same buffers.
+
+Layout of one shape, in bytes: int64 arrays (slots, positions of every group), then int32
+arrays (query_start_loc, then per group block table, seq_lens, indptr, last-page lengths),
+then each group's CSR page list at its capacity (batch x width). The one host-to-device copy
+covers bytes 0 to the end of the last group's used pages.
+
+Two host buffers in turn on CUDA: the copy is asynchronous, so a step may be filled while
+the previous step's copy is still queued behind the device's work; before a host buffer is
+refilled, the copy made from it two steps earlier is waited for (an event, normally long
+done).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv.errors import InvalidArgumentError
+
+# every group's fixed-shape arrays, by dtype (its CSR page list comes last, see the layout)
+_INT64 = ("slot_mapping", "positions")
+_INT32 = ("block_table", "seq_lens", "paged_kv_indptr", "paged_kv_last_page_len")
+_MAX_SHAPES = 256  # cached shapes before the cache is dropped (a long run of odd batch sizes)
+
+
+def _count(name: str, batch: int, tokens: int, width: int) -> tuple[int, tuple[int, ...]]:
+    if name in _INT64:
+        return tokens, (tokens,)
+    if name == "block_table":
+        return batch * width, (batch, width)
+    if name == "paged_kv_indptr":
+        return batch + 1, (batch + 1,)
+    return batch, (batch,)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of one step shape's arrays in the packed buffer."""
+
+    batch: int
+    tokens: int
+    widths: tuple[int, ...]
+    # (group index, name) -> (byte offset, count, shape, numpy dtype, torch dtype)
+    slots: dict[tuple[int, str], tuple[int, int, tuple[int, ...], np.dtype, torch.dtype]]
+    qsl_at: int
+    pages_at: tuple[int, ...]  # byte offset of each group's CSR page list
+    nbytes: int
+
+    @classmethod
+    def of(cls, batch: int, tokens: int, widths: tuple[int, ...]) -> Layout:
+        slots = {}
+        at = 0
+        for i, width in enumerate(widths):
+            for name in _INT64:
+                count, shape = _count(name, batch, tokens, width)
+                slots[(i, name)] = (at, count, shape, np.dtype(np.int64), torch.int64)
+                at += 8 * count
+        qsl_at = at
+        at += 4 * (batch + 1)
+        for i, width in enumerate(widths):
+            for name in _INT32:
+                count, shape = _count(name, batch, tokens, width)
+                slots[(i, name)] = (at, count, shape, np.dtype(np.int32), torch.int32)
+                at += 4 * count
+        pages_at = []
+        for width in widths:
+            pages_at.append(at)
+            at += 4 * batch * width
+        return cls(batch, tokens, widths, slots, qsl_at, tuple(pages_at), -(-at // 8) * 8)
+
+    def copy_end(self, nnz: list[int]) -> int:
+        """Bytes the step's copy must cover (up to the last group's used pages)."""
+        if not nnz:
+            return self.qsl_at + 4 * (self.batch + 1)
+        return self.pages_at[-1] + 4 * nnz[-1]
+
+    def numpy_views(self, raw: np.ndarray) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+        qsl = raw[self.qsl_at : self.qsl_at + 4 * (self.batch + 1)].view(np.int32)
+        groups: list[dict[str, np.ndarray]] = [{} for _ in self.widths]
+        for (i, name), (at, count, shape, np_dtype, _) in self.slots.items():
+            groups[i][name] = raw[at : at + count * np_dtype.itemsize].view(np_dtype).reshape(shape)
+        for i, width in enumerate(self.widths):
+            at = self.pages_at[i]
+            groups[i]["paged_kv_indices"] = raw[at : at + 4 * self.batch * width].view(np.int32)
+        return qsl, groups
+
+    def torch_views(self, buf: torch.Tensor) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        qsl = buf[self.qsl_at : self.qsl_at + 4 * (self.batch + 1)].view(torch.int32)
+        groups: list[dict[str, torch.Tensor]] = [{} for _ in self.widths]
+        for (i, name), (at, count, shape, np_dtype, dtype) in self.slots.items():
+            part = buf[at : at + count * np_dtype.itemsize].view(dtype)
+            groups[i][name] = part.view(shape) if len(shape) > 1 else part
+        for i, width in enumerate(self.widths):
+            at = self.pages_at[i]
+            groups[i]["paged_kv_indices"] = buf[at : at + 4 * self.batch * width].view(torch.int32)
+        return qsl, groups
+
+
+class _Shape:
+    """One cached shape: its layout, numpy views per host buffer, torch views of the device."""
+
+    __slots__ = ("device", "host", "layout")
+
+    def __init__(self, layout: Layout, hosts: list[np.ndarray], device: torch.Tensor) -> None:
+        self.layout = layout
+        self.host = [layout.numpy_views(raw) for raw in hosts]
+        self.device = layout.torch_views(device)
+
+
+class StepBuffers:
+    """Host staging + device buffer for steps of any shape (grown on demand), or of shapes
+    up to ``capacity`` bytes when given (then never reallocated: fixed device addresses)."""
+
+    def __init__(self, device: torch.device, capacity: int | None = None) -> None:
+        self.device = device
+        self.fixed = capacity is not None
+        self.copies = 0  # host-to-device copies issued
+        self._cuda = device.type == "cuda"
+        self._nbytes = 0
+        self._hosts: list[torch.Tensor] = []
+        self._raw: list[np.ndarray] = []
+        self._dev: torch.Tensor | None = None
+        self._events: list[torch.cuda.Event] = []
+        self._pending: list[bool] = []
+        self._turn = 0
+        self._shapes: dict[tuple[int, int, tuple[int, ...]], _Shape] = {}
+        self._allocate(max(capacity or 0, 64))
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def _allocate(self, nbytes: int) -> None:
+        ring = 2 if self._cuda else 1
+        pin = self._cuda and torch.cuda.is_available()
+        self._hosts = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(ring)]
+        self._raw = [h.numpy() for h in self._hosts]
+        # a CPU step needs no copy: its tensors are views of the (only) host buffer
+        self._dev = None if self.device.type == "cpu" else torch.zeros(
+            nbytes, dtype=torch.uint8, device=self.device
+        )
+        self._events = [torch.cuda.Event() for _ in range(ring)] if self._cuda else []
+        self._pending = [False] * ring
+        self._turn = 0
+        self._nbytes = nbytes
+        self._shapes = {}
+
+    def shape(self, batch: int, tokens: int, widths: tuple[int, ...]) -> _Shape:
+        """The cached views of this step shape (buffers grown first if they must be)."""
+        key = (batch, tokens, widths)
+        entry = self._shapes.get(key)
+        if entry is None:
+            layout = Layout.of(batch, tokens, widths)
+            if layout.nbytes > self._nbytes:
+                if self.fixed:
+                    raise InvalidArgumentError(
+                        f"a step of {batch} rows, {tokens} tokens, block-table widths "
+                        f"{list(widths)} needs {layout.nbytes} bytes; the fixed buffers hold "
+                        f"{self._nbytes}"
+                    )
+                self._allocate(max(layout.nbytes, 2 * self._nbytes))
+            if len(self._shapes) >= _MAX_SHAPES:
+                self._shapes = {}
+            dev = self._dev if self._dev is not None else self._hosts[0]
+            entry = _Shape(layout, self._raw, dev)
+            self._shapes[key] = entry
+        return entry
+
+    def host(self, entry: _Shape) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+        """Numpy views to fill for this step (waits, if ever, for the copy last made from
+        the same host buffer)."""
+        if self._pending[self._turn]:
+            self._events[self._turn].synchronize()
+            self._pending[self._turn] = False
+        return entry.host[self._turn]
+
+    def send(
+        self, entry: _Shape, nnz: list[int]
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+        """Copy the filled host buffer (one copy) and return the device views of the step
+        shape (cached: do not modify the dicts) and each group's page list cut to its
+        ``nnz`` entries."""
+        if self._dev is not None:
+            end = entry.layout.copy_end(nnz)
+            src = self._hosts[self._turn]
+            self._dev[:end].copy_(src[:end], non_blocking=True)
+            self.copies += 1
+            if self._cuda:
+                self._events[self._turn].record()
+                self._pending[self._turn] = True
+                self._turn ^= 1
+        qsl, groups = entry.device
+        pages = [views["paged_kv_indices"][:count] for views, count in zip(groups, nnz, strict=True)]
+        return qsl, groups, pages

@@ -1,0 +1,241 @@
+"""The reused-buffer fast path (MetadataBuilder and the bucketed PersistentMetadata) against
+build_metadata, step by step, over random decode runs: the same batch order for many steps
+(cached row lookup, all-decode steps), with drafts and their rollback, prefill chunks mixed
+in, admissions, finishes, reorders and window frees; four groups with different block sizes,
+one with a position offset and one sliding-window."""
+
+from __future__ import annotations
+
+import bisect
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_batch import make_group  # noqa: E402
+from test_batch_incremental import assert_same  # noqa: E402
+
+from pagedkv.batch import ScheduledRequest, build_metadata  # noqa: E402
+from pagedkv.batch.incremental import MetadataBuilder  # noqa: E402
+from pagedkv.batch.persistent import PersistentMetadata  # noqa: E402
+from pagedkv.errors import InvalidArgumentError, MetadataError  # noqa: E402
+from pagedkv.kvspec import SlidingWindow  # noqa: E402
+
+NUM_BLOCKS = 4000
+WIDTH = 64
+BATCH_BUCKETS = [2, 4, 8, 16]
+TOKEN_BUCKETS = [4, 16, 64]
+
+
+def groups():
+    return [
+        make_group(0, 4, num_blocks=NUM_BLOCKS),
+        make_group(1, 2, offset=1, num_blocks=NUM_BLOCKS),
+        make_group(2, 3, num_blocks=NUM_BLOCKS, retention=SlidingWindow(5)),
+        make_group(3, 16, num_blocks=NUM_BLOCKS),
+    ]
+
+
+class Run:
+    """A toy scheduler + block manager feeding both builders the same bookkeeping."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.groups = groups()
+        self.builders = [
+            MetadataBuilder(self.groups, rows=1, width=1),
+            PersistentMetadata(self.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
+                               token_buckets=TOKEN_BUCKETS, device="cpu", rows=2),
+        ]
+        self.pool = list(range(1, NUM_BLOCKS))  # block 0 stands for a freed window block
+        self.rng.shuffle(self.pool)
+        self.live: dict[str, list] = {}  # req_id -> [computed, {gid: [ids]}]
+        self.order: list[str] = []
+        self.next_id = 0
+
+    def each(self, method: str, *args) -> None:
+        for b in self.builders:
+            getattr(b, method)(*args)
+
+    def admit(self) -> None:
+        rid, self.next_id = f"r{self.next_id}", self.next_id + 1
+        computed = self.rng.randrange(0, 20)
+        blocks = {g.id: [self.pool.pop() for _ in range(-(-computed // g.block_size))]
+                  for g in self.groups}
+        self.each("add", rid, blocks)
+        self.live[rid] = [computed, blocks]
+        self.order.append(rid)
+
+    def grow(self, rid: str, new: int, batched: dict | None = None) -> None:
+        """Append what ``new`` more tokens need; single blocks go to ``batched`` (group ->
+        [(request, block)]) for one ``append_each`` per group when it is given."""
+        computed, blocks = self.live[rid]
+        extra = {}
+        for g in self.groups:
+            need = -(-max(0, computed + new - g.position_offset) // g.block_size)
+            add = [self.pool.pop() for _ in range(max(0, need - len(blocks[g.id])))]
+            if add:
+                blocks[g.id] += add
+                if batched is not None and len(add) == 1:
+                    batched.setdefault(g.id, []).append((rid, add[0]))
+                else:
+                    extra[g.id] = add
+        if extra:
+            self.each("append_blocks", rid, extra)
+
+    def settle(self, rid: str, new: int, drafts: int) -> None:
+        """Advance by the accepted tokens; rejected drafts give back their lookahead blocks."""
+        rejected = self.rng.randint(0, drafts)
+        self.live[rid][0] += new - rejected
+        computed, blocks = self.live[rid]
+        if rejected:
+            cut = {}
+            for g in self.groups:
+                keep = -(-max(0, computed - g.position_offset) // g.block_size)
+                if len(blocks[g.id]) > keep:
+                    blocks[g.id] = blocks[g.id][:keep]
+                    cut[g.id] = list(blocks[g.id])
+            if cut:
+                self.each("set_blocks", rid, cut)
+
+    def window_free(self, rid: str) -> None:
+        blocks = self.live[rid][1][2]
+        out = self.rng.randint(0, max(0, len(blocks) - 2))
+        blocks[:out] = [0] * out
+        self.each("set_blocks", rid, {2: list(blocks)})
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_fast_path_equals_build_metadata_over_decode_runs(seed):
+    run = Run(seed)
+    rng = run.rng
+    for _ in range(rng.randint(1, 6)):
+        run.admit()
+    addresses: dict[tuple[int, int], dict] = {}
+    for _ in range(14):
+        event = rng.random()
+        if event < 0.08 and len(run.order) < 12:
+            run.admit()
+        elif event < 0.14 and len(run.order) > 1:
+            rid = run.order.pop(rng.randrange(len(run.order)))
+            run.each("remove", rid)
+            del run.live[rid]
+        elif event < 0.2:
+            rng.shuffle(run.order)
+        elif event < 0.26:
+            run.window_free(rng.choice(run.order))
+        pure_decode = rng.random() < 0.6
+        sched = []
+        batched: dict | None = {} if rng.random() < 0.5 else None
+        plan = []
+        for rid in run.order:
+            kind = "decode" if pure_decode else rng.choice(["decode", "decode", "draft", "prefill"])
+            drafts = rng.randint(1, 3) if kind == "draft" else 0
+            new = 1 + drafts if kind != "prefill" else rng.randint(2, 6)
+            run.grow(rid, new, batched)
+            plan.append((rid, new, drafts))
+        for gid, pairs in (batched or {}).items():
+            run.each("append_each", [r for r, _ in pairs], {gid: [b for _, b in pairs]})
+        for rid, new, drafts in plan:
+            computed, blocks = run.live[rid]
+            sched.append(ScheduledRequest(rid, computed, new, {g: list(b) for g, b in blocks.items()},
+                                          drafts))
+        args = ([r.req_id for r in sched], np.array([r.num_computed_tokens for r in sched]),
+                np.array([r.num_new_tokens for r in sched], dtype=np.int64),
+                [r.num_draft_tokens for r in sched])
+        checked = rng.random() < 0.2
+        plain, persistent = run.builders
+        assert_same(plain.step(*args, checked=checked), build_metadata(sched, run.groups))
+        tokens = sum(r.num_new_tokens for r in sched)
+        batch_b, token_b = bucket(len(sched), BATCH_BUCKETS), bucket(tokens, TOKEN_BUCKETS)
+        got = persistent.step(*args, checked=checked)
+        assert_same(got, build_metadata(sched, run.groups, pad_batch_to=batch_b,
+                                        pad_tokens_to=token_b, max_blocks=WIDTH))
+        # a bucket's arrays never move (what a captured CUDA graph relies on)
+        # (an empty tensor reports address 0: nothing is read through it)
+        ptrs = {(gid, name): getattr(m, name).data_ptr() for gid, m in got.items()
+                for name in ("block_table", "slot_mapping", "seq_lens", "paged_kv_indices")
+                if getattr(m, name).numel()}
+        seen = addresses.setdefault((batch_b, token_b), ptrs)
+        assert all(seen[key] == ptr for key, ptr in ptrs.items() if key in seen)
+        seen.update(ptrs)
+        for r in sched:
+            run.settle(r.req_id, r.num_new_tokens, r.num_draft_tokens)
+
+
+def test_steps_reuse_the_buffers_and_decode_steps_need_no_per_token_arrays():
+    group = make_group(0, 4, num_blocks=100)
+    b = MetadataBuilder([group], rows=4, width=4)
+    b.add("a", {0: [5, 6]})
+    b.add("b", {0: [7]})
+    first = b.step(["a", "b"], [5, 2], [1, 1])[0]
+    assert first.slot_mapping.tolist() == [25, 30]  # a: position 5 -> block 6, offset 1
+    assert first.query_len_bounds == (1, 1) and first.max_seq_len == 6
+    b.append_blocks("b", {0: [8]})
+    second = b.step(["a", "b"], [6, 3], [1, 1])[0]
+    assert second.slot_mapping.tolist() == [26, 31]
+    assert second.paged_kv_indices.tolist() == [5, 6, 7]
+    # the same shape: the same memory, so the first step's tensors now read the second's
+    assert first.slot_mapping.data_ptr() == second.slot_mapping.data_ptr()
+    assert first.slot_mapping.tolist() == [26, 31]
+
+
+def test_persistent_refuses_wider_or_larger_steps():
+    group = make_group(0, 2, num_blocks=50)
+    pm = PersistentMetadata([group], max_blocks=2, batch_buckets=[2], token_buckets=[4],
+                            device="cpu")
+    pm.add("a", {0: [1, 2, 3]})
+    with pytest.raises(InvalidArgumentError, match="max_blocks=2 but a request reads 3"):
+        pm.step(["a"], [4], [1])
+    with pytest.raises(InvalidArgumentError, match="5 tokens exceed the largest bucket 4"):
+        pm.step(["a"], [0], [5])
+    meta = pm.step(["a"], [2], [2])[0]  # 3 blocks held, 2 read: the table keeps 2 columns
+    assert meta.block_table.tolist() == [[1, 2], [0, 0]]
+    assert meta.slot_mapping.tolist() == [4, 5, -1, -1]
+
+
+def test_wide_fixed_table_reads_only_the_used_columns():
+    group = make_group(0, 2, num_blocks=1000)
+    pm = PersistentMetadata([group], max_blocks=300, batch_buckets=[4], token_buckets=[8], device="cpu")
+    rng = random.Random(3)
+    ids = rng.sample(range(1000), 12)
+    reqs = [ScheduledRequest("a", 9, 1, {0: ids[:5]}), ScheduledRequest("b", 2, 1, {0: ids[5:7]}),
+            ScheduledRequest("c", 0, 3, {0: ids[7:12]})]
+    got = pm.step_requests(reqs)
+    assert_same(got, build_metadata(reqs, [group], pad_batch_to=4, pad_tokens_to=8, max_blocks=300))
+    assert got[0].paged_kv_indices.tolist() == ids[:5] + ids[5:7] + ids[7:9]
+
+
+def test_append_each_equals_append_blocks_and_refuses_bad_input():
+    gs = [make_group(0, 2, num_blocks=100), make_group(1, 4, num_blocks=100)]
+    one, many = MetadataBuilder(gs, rows=1, width=1), MetadataBuilder(gs, rows=1, width=1)
+    for b in (one, many):
+        b.add("a", {0: [1, 2], 1: [3]})
+        b.add("b", {0: [4], 1: [14]})
+        b.add("c", {0: [5], 1: [6]})
+    one.append_blocks("c", {0: [7], 1: [8]})
+    one.append_blocks("a", {0: [9], 1: [10]})
+    many.append_each(["c", "a"], {0: [7, 9], 1: np.array([8, 10])})
+    for rid in ("a", "b", "c"):
+        for gid in (0, 1):
+            assert many.blocks(rid, gid) == one.blocks(rid, gid)
+    assert many.blocks("a", 0) == (1, 2, 9) and many.blocks("c", 1) == (6, 8)
+    assert_same(many.step(["a", "b", "c"], [4, 1, 2], [1, 1, 1]),
+                one.step(["a", "b", "c"], [4, 1, 2], [1, 1, 1]))
+    with pytest.raises(InvalidArgumentError, match="named twice"):
+        many.append_each(["a", "a"], {0: [11, 12]})
+    with pytest.raises(InvalidArgumentError, match="2 block ids for 1 requests"):
+        many.append_each(["a"], {0: [11, 12]})
+    with pytest.raises(MetadataError, match="block id 100"):
+        many.append_each(["a", "b"], {1: [11, 12], 0: [13, 100]})
+    assert many.blocks("a", 1) == (3, 10)  # a refused call changes no group
+    with pytest.raises(InvalidArgumentError, match="'zz' is not in the builder"):
+        many.append_each(["zz"], {0: [11]})
