@@ -133,7 +133,8 @@ def gqa_sweep(batch, ctx, q_len=1, page=16, fp8=False, splits_only=False) -> Non
         grid = [dict(base, splits=sp) for sp in (None, 1, 2, 4, 8, 16, 32)]
     else:
         grid = [dict(block_n=bn, num_warps=w, num_stages=st)
-                for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+                for bn in ((64, 128, 256) if fp8 else (32, 64, 128))
+                for w in ((4, 8) if fp8 else (2, 4, 8)) for st in (2, 3)]
     saved = dict(TUNED.get(family) or {})
     sweep(family, case, run, grid)
     if splits_only:  # report only; keep the kernel config chosen on the main shape
