@@ -31,7 +31,7 @@ from pagedkv.ops.triton.mla import paged_mla_latent
 
 ROWS: list[tuple] = []
 COPY_GBS = [0.0]
-TUNED: dict[str, dict] = {"gqa": {}, "gqa_fp8": {}, "mla": {}}  # best launch config of each family's sweep
+TUNED: dict[str, dict | None] = {"gqa": {}, "gqa_q7": None, "gqa_fp8": {}, "mla": {}}  # best launch config of each family's sweep
 
 
 def sweep(family: str, case: str, run, grid: list[dict]) -> None:
@@ -115,19 +115,34 @@ def to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     return (x.float() / s).to(torch.float8_e4m3fn), s
 
 
-def gqa_sweep(batch, ctx, q_len=1, page=16, fp8=False, splits_only=False) -> None:
-    """Launch-config sweep of the decode kernel on one shape (printed; the first full sweep
-    of each cache dtype sets TUNED[gqa] / TUNED[gqa_fp8])."""
+# candidates around the defaults (``maxnreg`` caps registers: more programs per SM)
+GQA_SMALL_GRIDS = {
+    "gqa": [{}, dict(num_stages=3, maxnreg=128), dict(block_n=128, maxnreg=128),
+            dict(block_n=32, num_stages=3)],
+    "gqa_q7": [{}, dict(maxnreg=128), dict(block_n=32, maxnreg=128), dict(num_warps=8)],
+    "gqa_fp8": [{}, dict(maxnreg=168), dict(num_stages=2, maxnreg=168),
+                dict(block_n=64, num_stages=2, maxnreg=128),
+                dict(block_n=256, num_warps=8, num_stages=3, maxnreg=128)],
+}
+
+
+def gqa_sweep(batch, ctx, q_len=1, page=16, fp8=False, splits_only=False, small=False) -> None:
+    """Launch-config sweep of the decode kernel on one shape (printed; the fastest config of
+    the sweep on each kind of shape becomes TUNED[gqa | gqa_q7 | gqa_fp8])."""
     q, k, v, qsl, lens, table = gqa_inputs(batch, ctx, q_len, page)
     kw = dict(max_query_len=q_len, max_seq_len=ctx)
     if fp8:
         k, ks = to_fp8(k)
         v, vs = to_fp8(v)
         kw.update(k_scale=ks, v_scale=vs)
-    case = f"gqa B{batch} ctx{ctx} q{q_len} p{page}{' fp8' if fp8 else ''}"
-    family = "gqa_fp8" if fp8 else "gqa"
+    if q_len > 1:
+        kw["mask"] = Mask(causal=False, draft_block=q_len)
+    case = f"gqa B{batch} ctx{ctx} q{q_len}{'nc' if q_len > 1 else ''} p{page}{' fp8' if fp8 else ''}"
+    family = "gqa_fp8" if fp8 else ("gqa_q7" if q_len > 1 else "gqa")
     run = lambda **c: paged_attention(q, k, v, qsl, lens, table, **kw, **c)  # noqa: E731
-    if splits_only:
+    if small:
+        grid = GQA_SMALL_GRIDS[family]
+    elif splits_only:
         base = dict(TUNED.get(family) or {})
         base.pop("splits", None)
         grid = [dict(base, splits=sp) for sp in (None, 1, 2, 4, 8, 16, 32)]
@@ -179,8 +194,9 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
     ours = lambda: paged_attention(q, k, v, qsl, lens, table, **kw)  # noqa: E731
     ref = ours()
     rec("pagedkv_triton", ours, ref)
-    if TUNED["gqa"]:
-        rec(tuned_name("gqa"), lambda: paged_attention(q, k, v, qsl, lens, table, **kw, **TUNED["gqa"]), ref)
+    family = "gqa_q7" if q_len > 1 and TUNED["gqa_q7"] is not None else "gqa"
+    if TUNED[family]:
+        rec(tuned_name(family), lambda: paged_attention(q, k, v, qsl, lens, table, **kw, **TUNED[family]), ref)
     if not peers:
         return ref
     group = hq // hkv
@@ -382,7 +398,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
-    parser.add_argument("--no-sweep", action="store_true", help="GQA: skip the launch-config sweeps")
+    parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
+                        help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")
+    parser.add_argument("--no-draft-peers", action="store_true",
+                        help="GQA: time no peers on the 7-token shapes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("pagedkv: error: benchmarks/attention.py needs a CUDA device", file=sys.stderr)
@@ -396,7 +415,11 @@ def main(argv=None) -> int:
     print("%-30s %-34s %9s %8s %7s %6s %7s %8s" % ("case", "kernel", "us", "KV MB", "GB/s", "%copy",
                                                  "TF/s", "relerr"))
     if args.only != "mla":
-        if not args.no_sweep:
+        if args.sweep == "small":
+            gqa_sweep(64, 4096, small=True)
+            gqa_sweep(64, 4096, q_len=7, small=True)
+            gqa_sweep(64, 8192, fp8=True, small=True)
+        if args.sweep == "full":
             gqa_sweep(64, 4096)
             gqa_sweep(64, 8192, fp8=True)
             if not args.quick:
@@ -409,8 +432,8 @@ def main(argv=None) -> int:
             gqa_case(256, 4096, 1, True)
             gqa_case(64, 32768, 1, True)
             gqa_case(64, 4096, 1, True, page=64)
-        gqa_case(64, 4096, 7, True)
-        gqa_case(64, 4096, 7, False)
+        gqa_case(64, 4096, 7, True, peers=not args.no_draft_peers)
+        gqa_case(64, 4096, 7, False, peers=not args.no_draft_peers)
         gqa_case(64, 8192, 1, True, peers=not args.quick)
         gqa_case(64, 8192, 1, True, fp8=True)
         if not args.quick:

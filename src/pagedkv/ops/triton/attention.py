@@ -168,6 +168,7 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq, Dv]; see ``pagedkv.ops.paged_attention``.
 
@@ -175,8 +176,10 @@ def paged_attention(
     KV head run the decode kernel (``decode.py``); others the general kernel below.
     ``max_query_len`` / ``max_seq_len`` bound the batch; given both, the call makes no host
     read and no host sync (an engine's decode step, CUDA-graph capture): the batch is then
-    not validated, and keys behind block ids outside the cache are skipped but not reported. ``splits``, ``block_n``, ``num_warps`` and
-    ``num_stages`` override the launch configuration (benchmarks/attention.py sweeps them).
+    not validated, and keys behind block ids outside the cache are skipped but not reported.
+    ``splits``, ``block_n``, ``num_warps`` and ``num_stages`` override the launch
+    configuration, ``maxnreg`` caps registers per thread on the decode path
+    (benchmarks/attention.py sweeps them).
     """
     del compute_dtype  # the kernel accumulates in float32
     check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
@@ -212,7 +215,7 @@ def paged_attention(
                       mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=ks,
                       v_scale=vs, max_query_len=max_query_len, max_seq_len=max_seq_len,
                       f32=f32, splits=splits, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages)
+                      num_stages=num_stages, maxnreg=maxnreg)
         if check:
             raise_on_bad_block(flag, num_blocks)
         return out

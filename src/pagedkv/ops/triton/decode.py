@@ -25,6 +25,7 @@ from pagedkv.ops.triton.combine import combine, workspace
 from pagedkv.ops.triton.common import interpreting, next_pow2, scale_vector
 from pagedkv.ops.triton.rows import row_extents, soft_cap_scores
 
+
 @triton.jit(do_not_specialize=["num_blocks", "batch", "rows", "num_splits"])
 def _paged_decode_fwd(
     q_ptr, k_ptr, v_ptr, qsl_ptr, lens_ptr, table_ptr, out_ptr, ws_o, ws_m, ws_l,
@@ -167,39 +168,44 @@ def _paged_decode_fwd(
 
 DECODE_ROWS = 64  # at most this many (query row, query head) pairs per KV head take this path
 
+# Launch defaults from the sweep in benchmarks/attention.py on the H200 (docs/kernels.md):
+# (block_n, num_warps, num_stages). 4 warps, 64 keys per tile and a one-tile-ahead
+# prefetch keep a bf16 program at 128 registers (4 programs per SM); fp8 tiles hold twice
+# the keys for the same bytes.
+BF16_CONFIG = (64, 4, 2)
+FP8_CONFIG = (128, 4, 3)
+F32_CONFIG = (32, 4, 2)  # float32 queries: the tests' exact path
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_KEYS = 512
+
 
 @functools.lru_cache(maxsize=8)
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def decode_splits(programs: int, max_seq_len: int, block_n: int, device) -> int:
-    """KV splits per (sequence, KV head): enough programs for about ``PROGRAMS_PER_SM`` per
-    multiprocessor, each split at least ``MIN_SPLIT_KEYS`` keys, at most 64 splits
-    (constants from the sweep in benchmarks/attention.py, docs/kernels.md)."""
+def decode_splits(programs: int, max_seq_len: int, device) -> int:
+    """KV splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per multiprocessor
+    and at least two splits, each split at least ``MIN_SPLIT_KEYS`` keys, at most 64 (on the
+    H200 two splits beat one even at batch 256: benchmarks/attention.py's splits sweep)."""
     if interpreting():
         return min(2, max(1, -(-max_seq_len // 64)))  # exercise the combine, stay fast
     sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-    want = -(-PROGRAMS_PER_SM * sms // max(1, programs))
-    most = max(1, max_seq_len // max(block_n, MIN_SPLIT_KEYS))
+    want = max(2, -(-PROGRAMS_PER_SM * sms // max(1, programs)))
+    most = max(1, max_seq_len // MIN_SPLIT_KEYS)
     return max(1, min(want, most, 64))
 
 
-PROGRAMS_PER_SM = 4
-MIN_SPLIT_KEYS = 512
-
-
-def default_block_n(fp8: bool, f32: bool) -> int:
+def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
     if interpreting():
-        return 32
-    if f32:
-        return 32
-    return 64
+        return (32, 4, 2)
+    return F32_CONFIG if f32 else (FP8_CONFIG if fp8 else BF16_CONFIG)
 
 
 def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
                   scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
-                  splits=None, block_n=None, num_warps=None, num_stages=None) -> None:
+                  splits=None, block_n=None, num_warps=None, num_stages=None,
+                  maxnreg=None) -> None:
     """Run the decode kernel (and the combine when the keys are split) into ``out``."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -211,9 +217,11 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         return
     fp8 = is_fp8(k_cache.dtype) and is_fp8(v_cache.dtype) and not f32
     block_m = max(16, next_pow2(max(1, max_query_len) * group))
-    block_n = block_n or default_block_n(fp8, f32)
+    cfg = launch_config(fp8, f32)
+    block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
     if splits is None:
-        splits = decode_splits(batch * kv_heads, max_seq_len, block_n, q.device)
+        splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
+    extra = {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
     scales = scale_vector((k_scale, v_scale), q.device) if in_memory else seq_lens
     direct = splits == 1
@@ -231,8 +239,8 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
         HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
         HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None, SCALES_IN_MEMORY=in_memory,
-        CHECK=flag is not None, F32=f32, FP8=fp8, num_warps=num_warps or 4,
-        num_stages=num_stages or 3,
+        CHECK=flag is not None, F32=f32, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
+        **extra,
     )
     if not direct:
         combine(ws, out, query_start_loc, sinks)
