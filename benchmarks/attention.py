@@ -10,7 +10,9 @@ timed), torch flex_attention with a paged block mask, FlashInfer (tensor-core de
 paged prefill, MLA fa3) and FlashMLA (sgl-flash-mla, legacy SM90 dense path). ``relerr``
 is each output's relative Frobenius distance to pagedkv's triton output for that shape.
 
-Usage: python benchmarks/attention.py [--quick] [--out FILE.md]
+Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md]
+GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers]; the GQA
+part ends with the issue's GQA targets computed from the same run.
 """
 
 from __future__ import annotations
