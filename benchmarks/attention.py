@@ -10,7 +10,9 @@ timed), torch flex_attention with a paged block mask, FlashInfer (tensor-core de
 paged prefill, MLA fa3) and FlashMLA (sgl-flash-mla, legacy SM90 dense path). ``relerr``
 is each output's relative Frobenius distance to pagedkv's triton output for that shape.
 
-Usage: python benchmarks/attention.py [--quick] [--out FILE.md]
+Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md]
+GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers]; the GQA
+part ends with the issue's GQA targets computed from the same run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pagedkv.ops.triton.mla import paged_mla_latent
 
 ROWS: list[tuple] = []
 COPY_GBS = [0.0]
-TUNED: dict[str, dict] = {"gqa": {}, "mla": {}}  # best launch config of each family's sweep
+TUNED: dict[str, dict | None] = {"gqa": {}, "gqa_q7": None, "gqa_fp8": {}, "mla": {}}  # best launch config of each family's sweep
 
 
 def sweep(family: str, case: str, run, grid: list[dict]) -> None:
@@ -94,11 +96,11 @@ def copy_bandwidth() -> float:
 
 
 # ---------------------------------------------------------------- GQA
-def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=False, peers=True,
-             flex=False, do_sweep=False):
+GQA_TIMES: dict[tuple, dict[str, float]] = {}  # (batch, ctx, q_len, causal, page, fp8) -> name -> us
+
+
+def gqa_inputs(batch, ctx, q_len, page=16, hq=32, hkv=8, dim=128):
     dev = "cuda"
-    case = f"gqa B{batch} ctx{ctx} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
-           f" p{page}{' fp8' if fp8 else ''}"
     nblk = ctx // page
     pages = batch * nblk
     table = torch.randperm(pages, device=dev, dtype=torch.int32).view(batch, nblk)
@@ -107,33 +109,96 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
     q = torch.randn(batch * q_len, hq, dim, device=dev, dtype=torch.bfloat16)
     qsl = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=torch.int32)
     lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    return q, k, v, qsl, lens, table
+
+
+def to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    s = float(x.abs().amax()) / 448
+    return (x.float() / s).to(torch.float8_e4m3fn), s
+
+
+# candidates around the defaults (``maxnreg`` caps registers: more programs per SM)
+GQA_SMALL_GRIDS = {
+    "gqa": [{}, dict(num_stages=3, maxnreg=128), dict(block_n=128, maxnreg=128),
+            dict(block_n=32, num_stages=3)],
+    "gqa_q7": [{}, dict(maxnreg=128), dict(block_n=32, maxnreg=128), dict(num_warps=8)],
+    "gqa_fp8": [{}, dict(maxnreg=168), dict(num_stages=2, maxnreg=168),
+                dict(block_n=64, num_stages=2, maxnreg=128),
+                dict(block_n=256, num_warps=8, num_stages=3, maxnreg=128)],
+}
+
+
+def gqa_sweep(batch, ctx, q_len=1, page=16, fp8=False, splits_only=False, small=False) -> None:
+    """Launch-config sweep of the decode kernel on one shape (printed; the fastest config of
+    the sweep on each kind of shape becomes TUNED[gqa | gqa_q7 | gqa_fp8])."""
+    q, k, v, qsl, lens, table = gqa_inputs(batch, ctx, q_len, page)
+    kw = dict(max_query_len=q_len, max_seq_len=ctx)
+    if fp8:
+        k, ks = to_fp8(k)
+        v, vs = to_fp8(v)
+        kw.update(k_scale=ks, v_scale=vs)
+    if q_len > 1:
+        kw["mask"] = Mask(causal=False, draft_block=q_len)
+    case = f"gqa B{batch} ctx{ctx} q{q_len}{'nc' if q_len > 1 else ''} p{page}{' fp8' if fp8 else ''}"
+    family = "gqa_fp8" if fp8 else ("gqa_q7" if q_len > 1 else "gqa")
+    run = lambda **c: paged_attention(q, k, v, qsl, lens, table, **kw, **c)  # noqa: E731
+    if small:
+        grid = GQA_SMALL_GRIDS[family]
+    elif splits_only:
+        base = dict(TUNED.get(family) or {})
+        base.pop("splits", None)
+        grid = [dict(base, splits=sp) for sp in (None, 1, 2, 4, 8, 16, 32)]
+    else:
+        grid = [dict(block_n=bn, num_warps=w, num_stages=st)
+                for bn in ((64, 128, 256) if fp8 else (32, 64, 128))
+                for w in ((4, 8) if fp8 else (2, 4, 8)) for st in (2, 3)]
+    saved = dict(TUNED.get(family) or {})
+    sweep(family, case, run, grid)
+    if splits_only:  # report only; keep the kernel config chosen on the main shape
+        TUNED[family] = saved
+
+
+def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=False, peers=True,
+             flex=False, do_sweep=False):
+    case = f"gqa B{batch} ctx{ctx} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
+           f" p{page}{' fp8' if fp8 else ''}"
+    q, k, v, qsl, lens, table = gqa_inputs(batch, ctx, q_len, page, hq, hkv, dim)
+    dev = "cuda"
+    nblk = ctx // page
+    pages = batch * nblk
     mask = Mask() if causal else Mask(causal=False, draft_block=q_len)
     scale = dim ** -0.5
     elt = 1 if fp8 else 2
     nbytes = 2 * batch * ctx * hkv * dim * elt
     flops = 4.0 * batch * q_len * hq * ctx * dim
     kw = dict(mask=mask, max_query_len=q_len, max_seq_len=ctx)
+    times = GQA_TIMES.setdefault((batch, ctx, q_len, causal, page, fp8), {})
+
+    def rec(name, fn, ref):
+        out = record(case, name, fn, nbytes, ref, flops)
+        if out is not None:
+            times[name] = ROWS[-1][2]
+        return out
+
     if fp8:
-        ks, vs = float(k.abs().amax()) / 448, float(v.abs().amax()) / 448
-        k8 = (k.float() / ks).to(torch.float8_e4m3fn)
-        v8 = (v.float() / vs).to(torch.float8_e4m3fn)
+        k8, ks = to_fp8(k)
+        v8, vs = to_fp8(v)
+        # reference: the bf16 kernel on the dequantized cache (what the fp8 cache holds)
+        ref = paged_attention(q, (k8.float() * ks).to(torch.bfloat16), (v8.float() * vs).to(torch.bfloat16),
+                              qsl, lens, table, **kw)
         del k, v
-        ours = lambda: paged_attention(q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw)  # noqa: E731
-        ref = record(case, "pagedkv_triton", ours, nbytes, None, flops)
-        if TUNED["gqa"]:
-            record(case, tuned_name("gqa"), lambda: paged_attention(
-                q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw, **TUNED["gqa"]), nbytes, None, flops)
+        rec("pagedkv_triton", lambda: paged_attention(q, k8, v8, qsl, lens, table, k_scale=ks,
+                                                      v_scale=vs, **kw), ref)
+        if TUNED.get("gqa_fp8"):
+            rec(tuned_name("gqa_fp8"), lambda: paged_attention(
+                q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw, **TUNED["gqa_fp8"]), ref)
         return ref
     ours = lambda: paged_attention(q, k, v, qsl, lens, table, **kw)  # noqa: E731
     ref = ours()
-    record(case, "pagedkv_triton", ours, nbytes, ref, flops)
-    if do_sweep:
-        sweep("gqa", case, lambda **c: paged_attention(q, k, v, qsl, lens, table, **kw, **c),
-              [dict(block_n=bn, num_warps=w, num_stages=st, splits=sp) for bn in (64, 128)
-               for w in (4, 8) for st in (2, 4) for sp in (1, 4)])
-    if TUNED["gqa"]:
-        record(case, tuned_name("gqa"),
-               lambda: paged_attention(q, k, v, qsl, lens, table, **kw, **TUNED["gqa"]), nbytes, ref, flops)
+    rec("pagedkv_triton", ours, ref)
+    family = "gqa_q7" if q_len > 1 and TUNED["gqa_q7"] is not None else "gqa"
+    if TUNED[family]:
+        rec(tuned_name(family), lambda: paged_attention(q, k, v, qsl, lens, table, **kw, **TUNED[family]), ref)
     if not peers:
         return ref
     group = hq // hkv
@@ -152,7 +217,7 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
             def sdpa(backend=backend):
                 with sdpa_kernel(backend):
                     return unfold(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale))
-            record(case, f"torch_sdpa_dense[{backend.name.split('_')[0].lower()}]", sdpa, nbytes, ref, flops)
+            rec(f"torch_sdpa_dense[{backend.name.split('_')[0].lower()}]", sdpa, ref)
 
     try:
         import flashinfer
@@ -169,7 +234,7 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
             try:
                 w.plan(indptr, indices, last, hq, hkv, dim, page, q_data_type=torch.bfloat16,
                        kv_data_type=torch.bfloat16, sm_scale=scale)
-                record(case, "flashinfer_decode_tc", lambda: w.run(q, (k, v)), nbytes, ref, flops)
+                rec("flashinfer_decode_tc", lambda: w.run(q, (k, v)), ref)
             except Exception:
                 traceback.print_exc()
         else:
@@ -177,12 +242,42 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
             try:
                 w.plan(qsl, indptr, indices, last, hq, hkv, dim, page, causal=causal,
                        sm_scale=scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-                record(case, "flashinfer_prefill_paged", lambda: w.run(q, (k, v)), nbytes, ref, flops)
+                rec("flashinfer_prefill_paged", lambda: w.run(q, (k, v)), ref)
             except Exception:
                 traceback.print_exc()
     if flex:
         flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops, causal)
     return ref
+
+
+def gqa_targets() -> list[str]:
+    """The issue's GQA targets from this run's timings (ours = faster of default and tuned)."""
+    def ours(t):
+        us = [v for n, v in t.items() if n.startswith("pagedkv_triton")]
+        return min(us) if us else None
+
+    lines = ["| target | shape | measured | ratio | met |", "|---|---|---|---:|---|"]
+    for (b, ctx, ql, causal, page, fp8), t in GQA_TIMES.items():
+        peers = {n: v for n, v in t.items() if not n.startswith("pagedkv_triton")}
+        mine = ours(t)
+        if ql == 1 and not fp8 and peers and mine:
+            name, best = min(peers.items(), key=lambda kv: kv[1])
+            r = best / mine
+            lines.append(f"| decode >= 0.95x best peer | B{b} ctx{ctx} p{page} | {mine:.1f} us vs "
+                         f"{name} {best:.1f} us | {r:.2f}x | {'yes' if r >= 0.95 else 'no'} |")
+        if ql > 1 and not causal and not fp8 and mine:
+            one = ours(GQA_TIMES.get((b, ctx, 1, True, page, False), {}))
+            if one:
+                r = mine / one
+                lines.append(f"| q{ql} non-causal <= 1.1x q1 | B{b} ctx{ctx} p{page} | {mine:.1f} / "
+                             f"{one:.1f} us | {r:.2f}x | {'yes' if r <= 1.1 else 'no'} |")
+        if fp8 and mine:
+            bf = ours(GQA_TIMES.get((b, ctx, ql, causal, page, False), {}))
+            if bf:
+                r = bf / mine
+                lines.append(f"| fp8 >= 1.6x bf16 throughput | B{b} ctx{ctx} p{page} | {mine:.1f} vs "
+                             f"{bf:.1f} us | {r:.2f}x | {'yes' if r >= 1.6 else 'no'} |")
+    return lines
 
 
 def flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops, causal):
@@ -305,6 +400,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
+    parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
+                        help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")
+    parser.add_argument("--no-draft-peers", action="store_true",
+                        help="GQA: time no peers on the 7-token shapes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("pagedkv: error: benchmarks/attention.py needs a CUDA device", file=sys.stderr)
@@ -318,16 +417,26 @@ def main(argv=None) -> int:
     print("%-30s %-34s %9s %8s %7s %6s %7s %8s" % ("case", "kernel", "us", "KV MB", "GB/s", "%copy",
                                                  "TF/s", "relerr"))
     if args.only != "mla":
-        gqa_case(64, 4096, 1, True, flex=args.flex, do_sweep=True)
+        if args.sweep == "small":
+            gqa_sweep(64, 4096, small=True)
+            gqa_sweep(64, 4096, q_len=7, small=True)
+            gqa_sweep(64, 8192, fp8=True, small=True)
+        if args.sweep == "full":
+            gqa_sweep(64, 4096)
+            gqa_sweep(64, 8192, fp8=True)
+            if not args.quick:
+                for b, c in ((64, 1024), (256, 1024), (256, 4096), (64, 32768)):
+                    gqa_sweep(b, c, splits_only=True)
+        gqa_case(64, 4096, 1, True, flex=args.flex)
         if not args.quick:
             gqa_case(64, 1024, 1, True)
             gqa_case(256, 1024, 1, True)
             gqa_case(256, 4096, 1, True)
             gqa_case(64, 32768, 1, True)
             gqa_case(64, 4096, 1, True, page=64)
-        gqa_case(64, 4096, 7, True)
-        gqa_case(64, 4096, 7, False)
-        gqa_case(64, 8192, 1, True, peers=False)
+        gqa_case(64, 4096, 7, True, peers=not args.no_draft_peers)
+        gqa_case(64, 4096, 7, False, peers=not args.no_draft_peers)
+        gqa_case(64, 8192, 1, True, peers=not args.quick)
         gqa_case(64, 8192, 1, True, fp8=True)
         if not args.quick:
             gqa_case(64, 32768, 1, True, fp8=True)
@@ -349,6 +458,10 @@ def main(argv=None) -> int:
             fh.write("|---|---|---:|---:|---:|---:|---:|---:|\n")
             for r in ROWS:
                 fh.write("| %s | %s | %.1f | %.0f | %.0f | %.1f | %.1f | %.1e |\n" % r)
+            if GQA_TIMES:
+                fh.write("\n" + "\n".join(gqa_targets()) + "\n")
+    if GQA_TIMES:
+        print("\n".join(gqa_targets()))
     return 0
 
 

@@ -277,3 +277,50 @@ def test_sequence_with_no_position_yet_outputs_zeros_even_with_sinks(ops_backend
     got = run(sc, Mask(), sinks=sinks, compute_dtype=torch.float64)
     assert bool((got[0] == 0).all()) and not bool(got.isnan().any())
     torch.testing.assert_close(got.cpu().double(), reference(sc, Mask(), scale=8**-0.5, sinks=sinks))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_launch_overrides_and_no_host_read_path(splits, ops_backend):
+    # the decode kernel with one split writes the output itself (sinks, padding rows), with
+    # several it goes through the combine; bounds given = no host validation or flag read
+    if ops_backend != "triton":
+        pytest.skip("launch overrides exist on the triton backend only")
+    from pagedkv.ops.triton.attention import paged_attention as triton_attention
+
+    seqs = [(37, 1), (9, 3), (0, 0), (70, 2)]
+    sc = make_scenario(seqs, 16, 4, 2, seed=20 + splits)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
+    mask = Mask(window=30)
+    sc.q[-PAD_ROWS:] = float("nan")  # padding rows are never read
+    got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
+                           mask=mask, soft_cap=3.0, sinks=sinks, max_query_len=3,
+                           max_seq_len=70, splits=splits, block_n=16)
+    want = reference(sc, mask, scale=8**-0.5, soft_cap=3.0, sinks=sinks)
+    torch.testing.assert_close(got.cpu().double(), want, **EXACT["triton"])
+    assert bool((got[-PAD_ROWS:] == 0).all())
+
+
+def test_bf16_queries_over_fp8_caches(ops_backend):
+    # the fast path: fp8 K/V tiles widened once, 16-bit dot products, float32 accumulation
+    only_on_gpu(ops_backend, why="it decodes fp8 loads wrongly")
+    seqs = [(300, 1), (77, 1), (129, 7)]
+    sc = make_scenario(seqs, 16, 8, 2, dim=64, dtype=torch.float32, seed=31)
+    k_scale, v_scale = 2.0**-6, 2.0**-5
+    k8 = fill_nan_(torch.empty(sc.k_cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE))
+    v8 = fill_nan_(torch.empty(sc.v_cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE))
+    slots = []
+    for b, (seq_len, _) in enumerate(seqs):
+        slots += slots_of(sc.table[b].cpu(), range(seq_len), 16)
+    write_kv(torch.cat(sc.keys).to(DEVICE), torch.cat(sc.values).to(DEVICE), k8, v8,
+             torch.tensor(slots, device=DEVICE), k_scale=k_scale, v_scale=v_scale)
+    q16 = sc.q.to(torch.bfloat16)
+    got = paged_attention(q16, k8, v8, sc.qsl, sc.seq_lens, sc.table, k_scale=k_scale,
+                          v_scale=v_scale)
+    assert got.dtype == torch.bfloat16
+    sc8 = Scenario(**{**sc.__dict__})
+    sc8.q = q16.double()
+    sc8.keys = [(k / k_scale).to(torch.float8_e4m3fn).double() * k_scale for k in sc.keys]
+    sc8.values = [(v / v_scale).to(torch.float8_e4m3fn).double() * v_scale for v in sc.values]
+    want = reference(sc8, Mask(), scale=64**-0.5)
+    err = float((got.cpu().double() - want).norm() / want.norm())
+    assert err < 1e-2, err  # bf16 output and 16-bit probabilities

@@ -1,5 +1,5 @@
-"""Paged GQA/MHA attention in Triton: one kernel for mixed prefill and decode rows, split-KV
-with a combine step.
+"""Paged GQA/MHA attention in Triton: a general kernel for mixed prefill and decode rows,
+split-KV with a combine step; short-query batches go to the decode kernel (``decode.py``).
 
 A program owns one sequence's tile of BLOCK_M (query row, query head) pairs of one KV
 head — the query heads that share a KV head are folded into the tile, so K/V are read once
@@ -32,6 +32,7 @@ from pagedkv.ops.triton.common import (
     raise_on_bad_block,
     scale_vector,
 )
+from pagedkv.ops.triton.decode import DECODE_ROWS, launch_decode
 from pagedkv.ops.triton.rows import row_extents, soft_cap_scores, split_range
 
 
@@ -42,7 +43,8 @@ def _paged_attention_fwd(
     stride_tb, num_blocks, block_size, heads, group, D, DV, scale, cap, window, chunk, draft,
     TILES: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_DRAFT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_CAP: tl.constexpr, F32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_CAP: tl.constexpr, CHECK: tl.constexpr,
+    F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -82,8 +84,9 @@ def _paged_attention_fwd(
         kin = (keys < s_hi) & (keys >= kv_lo)
         page = tl.load(table_ptr + b * stride_tb + keys // block_size, mask=kin, other=0)
         bad = kin & ((page < 0) | (page >= num_blocks))
-        tl.store(flag_ptr + keys * 0, 1, mask=bad)
-        tl.store(flag_ptr + 1 + keys * 0, page, mask=bad)
+        if CHECK:
+            tl.store(flag_ptr + keys * 0, 1, mask=bad)
+            tl.store(flag_ptr + 1 + keys * 0, page, mask=bad)
         kin = kin & ~bad
         page = tl.where(kin, page, 0).to(tl.int64)
         offset = keys % block_size
@@ -165,12 +168,17 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq, Dv]; see ``pagedkv.ops.paged_attention``.
 
-    ``max_query_len`` / ``max_seq_len`` bound the batch without a host read (needed inside
-    CUDA-graph capture, where the batch is not validated on the host); ``splits``,
-    ``block_n``, ``num_warps`` and ``num_stages`` override the launch configuration
+    Batches whose sequences have at most ``DECODE_ROWS`` (query row, query head) pairs per
+    KV head run the decode kernel (``decode.py``); others the general kernel below.
+    ``max_query_len`` / ``max_seq_len`` bound the batch; given both, the call makes no host
+    read and no host sync (an engine's decode step, CUDA-graph capture): the batch is then
+    not validated, and keys behind block ids outside the cache are skipped but not reported.
+    ``splits``, ``block_n``, ``num_warps`` and ``num_stages`` override the launch
+    configuration, ``maxnreg`` caps registers per thread on the decode path
     (benchmarks/attention.py sweeps them).
     """
     del compute_dtype  # the kernel accumulates in float32
@@ -186,7 +194,8 @@ def paged_attention(
     dv = v_cache.shape[-1]
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    if max_query_len is None or max_seq_len is None:
+    check = max_query_len is None or max_seq_len is None
+    if check:
         if capturing():
             raise InvalidArgumentError("inside CUDA-graph capture pass max_query_len and max_seq_len")
         max_q, max_s = host_extents(query_start_loc, seq_lens, block_table, rows, block_size, mask)
@@ -197,6 +206,19 @@ def paged_attention(
     f32 = interpreting() or q.dtype == torch.float32
     if not f32 and q.dtype not in (torch.bfloat16, torch.float16):
         raise InvalidArgumentError(f"queries must be bf16, fp16 or fp32, got {q.dtype}")
+    qc = q if q.stride(-1) == 1 else q.contiguous()
+    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    # the host reads the bad-block flag back only when it validates the batch anyway
+    flag = torch.zeros(2, dtype=torch.int32, device=q.device) if check else None
+    if max(1, max_query_len) * group <= DECODE_ROWS:
+        launch_decode(qc, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
+                      mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=ks,
+                      v_scale=vs, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                      f32=f32, splits=splits, block_n=block_n, num_warps=num_warps,
+                      num_stages=num_stages, maxnreg=maxnreg)
+        if check:
+            raise_on_bad_block(flag, num_blocks)
+        return out
     block_m = min(64, max(16, next_pow2(max(1, max_query_len) * group)))
     tiles = max(1, -(-max(1, max_query_len) * group // block_m))
     if block_n is None:
@@ -205,12 +227,10 @@ def paged_attention(
         splits = num_splits(batch * tiles * kv_heads, max_seq_len, 256, waves=12)
     ws = workspace(rows, heads, splits, dv, q.device)
     scales = scale_vector((ks, vs), q.device)
-    flag = torch.zeros(2, dtype=torch.int32, device=q.device)
-    qc = q if q.stride(-1) == 1 else q.contiguous()
-    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if batch and rows:
         _paged_attention_fwd[(batch * tiles, kv_heads, splits)](
-            qc, k_cache, v_cache, query_start_loc, seq_lens, table, *ws, scales, flag,
+            qc, k_cache, v_cache, query_start_loc, seq_lens, table, *ws, scales,
+            flag if check else seq_lens,
             qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
             num_blocks, block_size, heads, group, dim, dv, scale, soft_cap or 1.0,
@@ -219,9 +239,10 @@ def paged_attention(
             BLOCK_D=max(16, next_pow2(dim)), BLOCK_DV=max(16, next_pow2(dv)),
             CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
             HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
-            HAS_CAP=soft_cap is not None, F32=f32, num_warps=num_warps or 4,
+            HAS_CAP=soft_cap is not None, CHECK=check, F32=f32, num_warps=num_warps or 4,
             num_stages=num_stages or 2,
         )
     combine(ws, out, query_start_loc, sinks)
-    raise_on_bad_block(flag, num_blocks)
+    if check:
+        raise_on_bad_block(flag, num_blocks)
     return out

@@ -1,0 +1,249 @@
+"""Paged GQA/MHA decode in Triton: rows of short queries (decode, draft and verify blocks).
+
+Used by ``pagedkv.ops.triton.attention.paged_attention`` when every sequence's query rows
+times the query heads of one KV head fit one tile (q_len x group <= 64). A program owns one
+sequence, one KV head and one split of its keys; all of that sequence's query rows and the
+query heads sharing the KV head are folded into the tile's rows, so every K/V entry is read
+once per call. Compared with the general kernel it is specialised where decode spends its
+time: block size, GQA group and head-dim padding are compile-time constants (shifts, no
+masks along the head dim), scales arrive as plain floats when they are floats, the
+bad-block flag is written only when the host reads it back, and fp8 K/V tiles are converted once
+to fp16 in registers (exact for e4m3/e5m2) so only half the bytes are loaded. With one
+split the kernel normalises and writes the output itself (no workspace, no combine).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.ops.fp8 import is_fp8
+from pagedkv.ops.triton.combine import combine, workspace
+from pagedkv.ops.triton.common import interpreting, next_pow2, scale_vector
+from pagedkv.ops.triton.rows import row_extents, soft_cap_scores
+
+
+@triton.jit(do_not_specialize=["num_blocks", "batch", "rows", "num_splits"])
+def _paged_decode_fwd(
+    q_ptr, k_ptr, v_ptr, qsl_ptr, lens_ptr, table_ptr, out_ptr, ws_o, ws_m, ws_l,
+    scales_ptr, sinks_ptr, flag_ptr,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_tb, stride_ot, stride_oh, num_blocks, batch, rows, heads, scale, k_scale_f,
+    v_scale_f, cap, window, chunk, draft, num_splits,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr,
+    CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    dv = tl.arange(0, BLOCK_DV)
+    if b == batch:  # direct output only: zero the padding rows past the batch's last row
+        total = tl.load(qsl_ptr + batch)
+        hh = tl.arange(0, BLOCK_M)
+        hmask = (hh < GROUP)[:, None] & (dv < DV)[None, :]
+        zeros = tl.zeros([BLOCK_M, BLOCK_DV], dtype=out_ptr.dtype.element_ty)
+        for i in range(0, rows - total):
+            tl.store(out_ptr + (total + i).to(tl.int64) * stride_ot + (kvh * GROUP + hh)[:, None] * stride_oh
+                     + dv[None, :], zeros, mask=hmask)
+        return
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if q_len <= 0:
+        return
+    seq_len = tl.load(lens_ptr + b)
+    m = tl.arange(0, BLOCK_M)
+    row = m // GROUP
+    qh = kvh * GROUP + m % GROUP
+    lo, hi = row_extents(row, q_len, seq_len, window, chunk, draft,
+                         CAUSAL, HAS_DRAFT, HAS_WINDOW, HAS_CHUNK)
+    kv_lo = tl.min(lo, 0)
+    kv_hi = tl.max(hi, 0)
+    # this split's keys: [kv_lo, kv_hi) cut into num_splits BLOCK_N-aligned pieces
+    start = (tl.minimum(kv_lo, kv_hi) // BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - start, 0), num_splits), BLOCK_N) * BLOCK_N
+    s_lo = start + split * per
+    s_hi = tl.minimum(s_lo + per, kv_hi)
+
+    d = tl.arange(0, BLOCK_D)
+    rmask = row < q_len
+    q = tl.load(q_ptr + (q_start + row)[:, None].to(tl.int64) * stride_qt
+                + qh[:, None] * stride_qh + d[None, :],
+                mask=rmask[:, None] & (d[None, :] < D), other=0.0)
+    if SCALES_IN_MEMORY:
+        k_scale = tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
+    else:
+        k_scale = k_scale_f
+        v_scale = v_scale_f
+    qk_scale = scale * k_scale * 1.4426950408889634  # log2 domain
+    if HAS_CAP:
+        qk_scale = scale * k_scale
+    if F32:
+        q = q.to(tl.float32)
+    elif FP8:  # e4m3/e5m2 -> fp16 is exact; the query is clamped into fp16's range
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    t_base = table_ptr + b.to(tl.int64) * stride_tb
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for n0 in range(s_lo, s_hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        kin = (keys < s_hi) & (keys >= kv_lo)
+        page = tl.load(t_base + keys // PAGE, mask=kin, other=0)
+        bad = kin & ((page < 0) | (page >= num_blocks))  # never read outside the cache
+        if CHECK:
+            tl.store(flag_ptr + keys * 0, 1, mask=bad)
+            tl.store(flag_ptr + 1 + keys * 0, page, mask=bad)
+        kin = kin & ~bad
+        page = tl.where(kin, page, 0)
+        page = page.to(tl.int64)
+        slot = keys % PAGE
+        k_ptrs = k_base + (page * stride_kb + slot * stride_kt)[:, None] + d[None, :]
+        if BLOCK_D == D:  # no mask along the head dim: the loads stay 16-byte vectors
+            k = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=kin[:, None] & (d[None, :] < D), other=0.0)
+        if F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif FP8:
+            s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = s * qk_scale
+        if HAS_CAP:
+            s = soft_cap_scores(s, cap) * 1.4426950408889634
+        seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & kin[None, :]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :]
+        if BLOCK_DV == DV:
+            v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=kin[:, None] & (dv[None, :] < DV), other=0.0)
+        if F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        elif FP8:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if DIRECT:  # one split: normalise here
+        denom = l_i
+        o_scale = v_scale
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + qh, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+            m_top = tl.maximum(m_use, sink)
+            keep = tl.exp2(m_use - m_top)
+            denom = l_i * keep + tl.exp2(sink - m_top)
+            o_scale = v_scale * keep
+        o = tl.where((l_i > 0)[:, None],
+                     acc * (o_scale / tl.where(denom > 0, denom, 1.0))[:, None], 0.0)
+        tl.store(out_ptr + (q_start + row).to(tl.int64)[:, None] * stride_ot
+                 + qh[:, None] * stride_oh + dv[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (dv[None, :] < DV))
+    else:
+        base = ((q_start + row).to(tl.int64) * heads + qh) * num_splits + split
+        tl.store(ws_m + base, m_i, mask=rmask)
+        tl.store(ws_l + base, l_i, mask=rmask)
+        tl.store(ws_o + base[:, None] * DV + dv[None, :], acc * v_scale,
+                 mask=rmask[:, None] & (dv[None, :] < DV))
+
+
+DECODE_ROWS = 64  # at most this many (query row, query head) pairs per KV head take this path
+
+# Launch defaults from the sweep in benchmarks/attention.py on the H200 (docs/kernels.md):
+# (block_n, num_warps, num_stages). 4 warps, 64 keys per tile and a one-tile-ahead
+# prefetch keep a bf16 program at 128 registers (4 programs per SM); fp8 tiles hold twice
+# the keys for the same bytes.
+BF16_CONFIG = (64, 4, 2)
+FP8_CONFIG = (128, 4, 3)
+F32_CONFIG = (32, 4, 2)  # float32 queries: the tests' exact path
+Q7_MAXNREG = 128  # bf16 tiles of 32 rows (7-token draft blocks): 0.90x the time uncapped
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_KEYS = 512
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_splits(programs: int, max_seq_len: int, device) -> int:
+    """KV splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per multiprocessor
+    and at least two splits, each split at least ``MIN_SPLIT_KEYS`` keys, at most 64 (on the
+    H200 two splits beat one even at batch 256: benchmarks/attention.py's splits sweep)."""
+    if interpreting():
+        return min(2, max(1, -(-max_seq_len // 64)))  # exercise the combine, stay fast
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    want = max(2, -(-PROGRAMS_PER_SM * sms // max(1, programs)))
+    most = max(1, max_seq_len // MIN_SPLIT_KEYS)
+    return max(1, min(want, most, 64))
+
+
+def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
+    if interpreting():
+        return (32, 4, 2)
+    return F32_CONFIG if f32 else (FP8_CONFIG if fp8 else BF16_CONFIG)
+
+
+def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
+                  scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
+                  splits=None, block_n=None, num_warps=None, num_stages=None,
+                  maxnreg=None) -> None:
+    """Run the decode kernel (and the combine when the keys are split) into ``out``."""
+    rows, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    dv = v_cache.shape[-1]
+    group = heads // kv_heads
+    batch = seq_lens.shape[0]
+    if not (batch and rows):
+        out.zero_()
+        return
+    fp8 = is_fp8(k_cache.dtype) and is_fp8(v_cache.dtype) and not f32
+    block_m = max(16, next_pow2(max(1, max_query_len) * group))
+    cfg = launch_config(fp8, f32)
+    block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
+    if splits is None:
+        splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
+    if maxnreg is None and block_m == 32 and not (fp8 or f32):
+        maxnreg = Q7_MAXNREG  # 7-token blocks x 4 heads: 164 -> 128 registers, 4 programs/SM
+    extra = {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
+    in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
+    scales = scale_vector((k_scale, v_scale), q.device) if in_memory else seq_lens
+    direct = splits == 1
+    ws = (out, out, out) if direct else workspace(rows, heads, splits, dv, q.device)
+    _paged_decode_fwd[(batch + 1 if direct else batch, kv_heads, splits)](
+        q, k_cache, v_cache, query_start_loc, seq_lens, table, out, *ws, scales,
+        sinks if sinks is not None else seq_lens, flag if flag is not None else seq_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        out.stride(0), out.stride(1), num_blocks, batch, rows, heads, scale,
+        1.0 if in_memory else float(k_scale), 1.0 if in_memory else float(v_scale),
+        soft_cap or 1.0, mask.window or 0, mask.chunk or 0, mask.draft_block or 0, splits,
+        GROUP=group, PAGE=block_size, D=dim, DV=dv, DIRECT=direct, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(dim)), BLOCK_DV=max(16, next_pow2(dv)),
+        CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
+        HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
+        HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None, SCALES_IN_MEMORY=in_memory,
+        CHECK=flag is not None, F32=f32, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
+        **extra,
+    )
+    if not direct:
+        combine(ws, out, query_start_loc, sinks)
