@@ -29,7 +29,7 @@ from pagedkv.ops.triton.common import (
     raise_on_bad_block,
     scale_vector,
 )
-from pagedkv.ops.triton.rows import row_extents, split_range
+from pagedkv.ops.triton.rows import row_extents
 
 
 @triton.jit
@@ -37,16 +37,21 @@ def _paged_mla_fwd(
     ql_ptr, qr_ptr, c_ptr, c8_ptr, f32_ptr, bf16_ptr, qsl_ptr, lens_ptr, table_ptr,
     ws_o, ws_m, ws_l, lscale_ptr, flag_ptr,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_cb, stride_ct, stride_tb,
-    num_blocks, block_size, heads, P, scale, window, chunk, draft,
-    R: tl.constexpr, TILES: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HAS_ROPE: tl.constexpr, DS_MLA: tl.constexpr,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_DRAFT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, F32: tl.constexpr,
+    num_blocks, block_size, heads, P, scale, lscale_f, window, chunk, draft, tiles, num_splits,
+    R: tl.constexpr, DVS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, HAS_ROPE: tl.constexpr, DS_MLA: tl.constexpr, GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, F32: tl.constexpr, PAGE_TILE: tl.constexpr,
+    SCALE_PTR: tl.constexpr,
 ):
+    """One program: BLOCK_M (query row, head) pairs of one request x one KV split x one
+    slice of R // DVS output columns (scores over the whole R + P entry either way)."""
+    DV: tl.constexpr = R // DVS
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    b = pid // TILES
-    tile = pid % TILES
+    dv = pid % DVS
+    b = pid // DVS // tiles
+    tile = pid // DVS % tiles
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if tile * BLOCK_M >= q_len * heads:
@@ -59,9 +64,14 @@ def _paged_mla_fwd(
                          CAUSAL, HAS_DRAFT, HAS_WINDOW, HAS_CHUNK)
     kv_lo = tl.min(lo, 0)
     kv_hi = tl.max(hi, 0)
-    s_lo, s_hi = split_range(kv_lo, kv_hi, split, NUM_SPLITS, BLOCK_N)
+    # this split's keys: [kv_lo, kv_hi) in num_splits BLOCK_N-aligned pieces
+    start = (tl.minimum(kv_lo, kv_hi) // BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - start, 0), num_splits), BLOCK_N) * BLOCK_N
+    s_lo = start + split * per
+    s_hi = tl.minimum(s_lo + per, kv_hi)
     rmask = row < q_len
     r = tl.arange(0, R)
+    cols = dv * DV + tl.arange(0, DV)
     p_ = tl.arange(0, BLOCK_P)
     g3 = tl.arange(0, R // GROUP)
     j3 = tl.arange(0, GROUP)
@@ -75,43 +85,65 @@ def _paged_mla_fwd(
         ql = ql.to(tl.float32)
         if HAS_ROPE:
             qr = qr.to(tl.float32)
-    lscale = tl.load(lscale_ptr)
+    if SCALE_PTR:
+        lscale = tl.load(lscale_ptr)
+    else:
+        lscale = lscale_f
     qk_scale = scale * lscale * 1.4426950408889634
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+    tb = table_ptr + b * stride_tb
     for n0 in range(s_lo, s_hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         kin = (keys < s_hi) & (keys >= kv_lo)
-        page = tl.load(table_ptr + b * stride_tb + keys // block_size, mask=kin, other=0)
-        bad = kin & ((page < 0) | (page >= num_blocks))
-        tl.store(flag_ptr + keys * 0, 1, mask=bad)
-        tl.store(flag_ptr + 1 + keys * 0, page, mask=bad)
-        kin = kin & ~bad
-        page = tl.where(kin, page, 0).to(tl.int64)
-        entry = page * stride_cb + (keys % block_size) * stride_ct
+        if PAGE_TILE:  # the tile lies in one page: one block id, contiguous entries
+            page = tl.load(tb + n0 // block_size)
+            bad = (page < 0) | (page >= num_blocks)
+            tl.store(flag_ptr, 1, mask=bad)
+            tl.store(flag_ptr + 1, page, mask=bad)
+            page = tl.where(bad, 0, page).to(tl.int64)
+            kin = kin & ~bad
+            entry = page * stride_cb + (keys % block_size) * stride_ct
+        else:  # one block id per key (any block size)
+            pg = tl.load(tb + keys // block_size, mask=kin, other=0)
+            bad = kin & ((pg < 0) | (pg >= num_blocks))
+            tl.store(flag_ptr + keys * 0, 1, mask=bad)
+            tl.store(flag_ptr + 1 + keys * 0, pg, mask=bad)
+            kin = kin & ~bad
+            entry = tl.where(kin, pg, 0).to(tl.int64) * stride_cb + (keys % block_size) * stride_ct
         if DS_MLA:
             c3 = tl.load(c8_ptr + entry[:, None, None] + (g3 * GROUP)[None, :, None]
                          + j3[None, None, :], mask=kin[:, None, None], other=0.0)
             cs = tl.load(f32_ptr + (entry[:, None] + R) // 4 + g3[None, :], mask=kin[:, None],
                          other=0.0)
             c = tl.reshape(c3.to(tl.float32) * cs[:, :, None], [BLOCK_N, R])
+            if DVS > 1:
+                v = tl.load(c8_ptr + entry[:, None] + cols[None, :], mask=kin[:, None],
+                            other=0.0).to(tl.float32)
+                v = v * tl.load(f32_ptr + (entry[:, None] + R) // 4 + (cols // GROUP)[None, :],
+                                mask=kin[:, None], other=0.0)
             if HAS_ROPE:
                 kr = tl.load(bf16_ptr + (entry[:, None] + R + 4 * (R // GROUP)) // 2 + p_[None, :],
                              mask=kin[:, None] & (p_[None, :] < P), other=0.0)
         else:
             c = tl.load(c_ptr + entry[:, None] + r[None, :], mask=kin[:, None], other=0.0)
+            if DVS > 1:
+                v = tl.load(c_ptr + entry[:, None] + cols[None, :], mask=kin[:, None], other=0.0)
             if HAS_ROPE:
                 kr = tl.load(c_ptr + entry[:, None] + R + p_[None, :],
                              mask=kin[:, None] & (p_[None, :] < P), other=0.0)
+        c = c.to(ql.dtype)  # float32 under F32 (ql is), else the query's bf16/fp16
+        if DVS == 1:
+            v = c
+        else:
+            v = v.to(ql.dtype)
         if F32:
-            c = c.to(tl.float32)
             s = tl.dot(ql, tl.trans(c), input_precision="ieee")
             if HAS_ROPE:
                 s += tl.dot(qr, tl.trans(kr.to(tl.float32)), input_precision="ieee")
         else:
-            c = c.to(ql.dtype)
             s = tl.dot(ql, tl.trans(c))
             if HAS_ROPE:
                 s += tl.dot(qr, tl.trans(kr.to(ql.dtype)))
@@ -124,15 +156,31 @@ def _paged_mla_fwd(
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(pr, 1)
         if F32:
-            acc = acc * alpha[:, None] + tl.dot(pr, c, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(c.dtype), c)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(ql.dtype), v)
         m_i = m_new
 
-    base = (qrow * heads + h) * NUM_SPLITS + split
-    tl.store(ws_m + base, m_i, mask=rmask)
-    tl.store(ws_l + base, l_i, mask=rmask)
-    tl.store(ws_o + base[:, None] * R + r[None, :], acc * lscale, mask=rmask[:, None])
+    base = (qrow * heads + h) * num_splits + split
+    tl.store(ws_m + base, m_i, mask=rmask & (dv == 0))
+    tl.store(ws_l + base, l_i, mask=rmask & (dv == 0))
+    tl.store(ws_o + base[:, None] * R + cols[None, :], acc * lscale, mask=rmask[:, None])
+
+
+def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool) -> dict:
+    """Launch config by shape family (benchmarks/attention.py's sweeps on the H200,
+    docs/kernels.md): tiles of <= 16/32 rows keep the whole 512-wide accumulator; larger
+    row counts (q_len x heads >= 64) are cut into row tiles and output-column slices so that
+    the float32 accumulator stays in registers."""
+    if interpreting():
+        return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
+                    dv_splits=1, num_warps=4, num_stages=1, waves=0.0)
+    block_n = 16 if f32 else (64 if block_size % 64 == 0 else 32)
+    if rows_per_request <= 16:
+        return dict(block_m=16, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2, waves=2.0)
+    if rows_per_request <= 32:
+        return dict(block_m=32, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2, waves=2.0)
+    return dict(block_m=64, block_n=block_n, dv_splits=2, num_warps=8, num_stages=2, waves=1.0)
 
 
 def paged_mla_latent(
@@ -154,11 +202,16 @@ def paged_mla_latent(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    dv_splits: int | None = None,
+    check_blocks: bool = True,
 ) -> torch.Tensor:
     """o_latent [T, H, R] (float32; see ``pagedkv.ops.paged_mla.paged_mla_latent``).
 
     ``max_query_len`` / ``max_seq_len``: as for ``pagedkv.ops.triton.paged_attention``;
-    ``splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` override the launch.
+    ``splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``dv_splits`` (output
+    column slices, each program recomputing the scores) override the launch defaults.
+    ``check_blocks=False`` skips reading back the out-of-cache flag (one host sync; it is
+    also skipped inside CUDA-graph capture).
     """
     del compute_dtype  # the kernel accumulates in float32
     rows, heads, rank = q_latent.shape
@@ -195,17 +248,24 @@ def paged_mla_latent(
         max_query_len = mq if max_query_len is None else max_query_len
         max_seq_len = ms if max_seq_len is None else max_seq_len
     f32 = interpreting() or q_latent.dtype == torch.float32
-    if block_m is None:
-        block_m = min(64, max(16, next_pow2(max(1, max_query_len) * heads)))
+    cfg = launch_defaults(max(1, max_query_len) * heads, block_size, f32,
+                          ds or is_fp8(latent_cache.dtype))
+    block_m = block_m or cfg["block_m"]
+    block_n = block_n or cfg["block_n"]
+    dv_splits = dv_splits or cfg["dv_splits"]
+    if dv_splits < 1 or rank % dv_splits or rank // dv_splits < 16:
+        raise InvalidArgumentError(
+            f"dv_splits={dv_splits} must divide kv_lora_rank {rank} into slices of >= 16")
     tiles = max(1, -(-max(1, max_query_len) * heads // block_m))
-    if block_n is None:
-        block_n = 64 if interpreting() else (16 if f32 else 32)
     batch = seq_lens.shape[0]
     if splits is None:
-        splits = num_splits(batch * tiles, max_seq_len, 256, waves=4.5 if block_m <= 32 else 2)
+        splits = num_splits(batch * tiles * dv_splits, max_seq_len, 256, waves=cfg["waves"]) \
+            if cfg["waves"] else num_splits(1, max_seq_len, 256)
     ws = workspace(rows, heads, splits, rank, q_latent.device)
     out = torch.empty(rows, heads, rank, dtype=torch.float32, device=q_latent.device)
-    lscale = scale_vector((1.0 if latent_scale is None else latent_scale,), q_latent.device)
+    scale_ptr = isinstance(latent_scale, torch.Tensor)
+    lscale_f = 1.0 if latent_scale is None or scale_ptr else float(latent_scale)
+    lscale = scale_vector((latent_scale,), q_latent.device) if scale_ptr else seq_lens
     flag = torch.zeros(2, dtype=torch.int32, device=q_latent.device)
     ql = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     qr = ql if q_rope is None else (q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous())
@@ -218,17 +278,20 @@ def paged_mla_latent(
         views = (latent_cache, latent_cache, latent_cache)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if batch and rows:
-        _paged_mla_fwd[(batch * tiles, splits)](
+        _paged_mla_fwd[(batch * tiles * dv_splits, splits)](
             ql, qr, latent_cache, *views, query_start_loc, seq_lens, table, *ws, lscale, flag,
             ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), latent_cache.stride(0),
             latent_cache.stride(1), table.stride(0), num_blocks, block_size, heads, rope_dim,
-            scale, mask.window or 0, mask.chunk or 0, mask.draft_block or 0,
-            R=rank, TILES=tiles, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
+            scale, lscale_f, mask.window or 0, mask.chunk or 0, mask.draft_block or 0, tiles,
+            splits,
+            R=rank, DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_P=max(16, next_pow2(rope_dim)), HAS_ROPE=rope_dim > 0, DS_MLA=ds,
             GROUP=min(DS_MLA_GROUP, rank), CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
             HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None, F32=f32,
-            num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages or 2,
+            PAGE_TILE=block_size % block_n == 0, SCALE_PTR=scale_ptr,
+            num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         )
     combine(ws, out, query_start_loc, None)
-    raise_on_bad_block(flag, num_blocks)
+    if check_blocks:
+        raise_on_bad_block(flag, num_blocks)
     return out
