@@ -48,6 +48,7 @@ def _paged_mla_fwd(
     ws_o, ws_m, ws_l, lscale_ptr, flag_ptr,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_cb, stride_ct, stride_tb,
     num_blocks, block_size, heads, P, scale, lscale_f, window, chunk, draft, tiles, num_splits,
+    tail_align, ws_splits,
     R: tl.constexpr, DVS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr, HAS_ROPE: tl.constexpr, DS_MLA: tl.constexpr, GROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -74,11 +75,18 @@ def _paged_mla_fwd(
                          CAUSAL, HAS_DRAFT, HAS_WINDOW, HAS_CHUNK)
     kv_lo = tl.min(lo, 0)
     kv_hi = tl.max(hi, 0)
-    # this split's keys: [kv_lo, kv_hi) in num_splits BLOCK_N-aligned pieces
+    # this split's keys: [kv_lo, kv_hi) in num_splits BLOCK_N-aligned pieces; with
+    # tail_align > 0 only the keys from seq_len's last multiple of it on, as split ws_splits - 1
     start = (tl.minimum(kv_lo, kv_hi) // BLOCK_N) * BLOCK_N
-    per = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - start, 0), num_splits), BLOCK_N) * BLOCK_N
-    s_lo = start + split * per
-    s_hi = tl.minimum(s_lo + per, kv_hi)
+    if tail_align > 0:
+        s_lo = tl.maximum(start, seq_len // tail_align * tail_align)
+        s_hi = kv_hi
+        out_split = ws_splits - 1
+    else:
+        per = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - start, 0), num_splits), BLOCK_N) * BLOCK_N
+        s_lo = start + split * per
+        s_hi = tl.minimum(s_lo + per, kv_hi)
+        out_split = split
     rmask = row < q_len
     r = tl.arange(0, R)
     cols = dv * DV + tl.arange(0, DV)
@@ -211,7 +219,7 @@ def _paged_mla_fwd(
                 acc = acc * alpha[:, None] + tl.dot(pr.to(qdt), v)
         m_i = m_new
 
-    base = (qrow * heads + h) * num_splits + split
+    base = (qrow * heads + h) * ws_splits + out_split
     tl.store(ws_m + base, m_i, mask=rmask & (dv == 0))
     tl.store(ws_l + base, l_i, mask=rmask & (dv == 0))
     if SWAP:
@@ -281,8 +289,9 @@ def _paged_mla_tma(
     """Page-contiguous tiles (block_size % BLOCK_N == 0) read by the tensor-memory
     accelerator as two R/2 column halves plus the rope columns, straight into shared
     memory: no per-element addresses in registers. DVS == 2 programs own one half of the
-    output each (scores over both halves either way). Tiles that reach past the sequence's
-    last written slot are read with masked loads instead (unwritten slots may hold NaN)."""
+    output each (scores over both halves either way). Keys from the last multiple of BLOCK_N
+    below seq_len on (a tile whose unwritten slots may hold NaN) are left to a second launch
+    of the pointer kernel (``tail_align``), which writes the extra split ``num_splits``."""
     HALF: tl.constexpr = R // 2
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -305,8 +314,8 @@ def _paged_mla_tma(
     per = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - start, 0), num_splits), BLOCK_N) * BLOCK_N
     s_lo = start + split * per
     s_hi = tl.minimum(s_lo + per, kv_hi)
-    # whole tiles below the last written slot go through TMA, the rest through masked loads
-    t_hi = tl.maximum(s_lo, tl.minimum(s_hi, s_lo + tl.maximum(seq_len - s_lo, 0) // BLOCK_N * BLOCK_N))
+    # whole tiles below the last written slot; the rest is the tail launch's (extra split)
+    t_hi = tl.minimum(s_hi, seq_len // BLOCK_N * BLOCK_N)
     rmask = row < q_len
     col0 = dv * HALF if DVS == 2 else 0
     col1 = HALF - col0
@@ -358,34 +367,7 @@ def _paged_mla_tma(
         m_i, l_i, acc0, acc1 = _tile_step(q0, q1, qr, c0.to(qdt), c1.to(qdt), kr.to(qdt), keys, kin,
                                           lo, hi, qk_scale, m_i, l_i, acc0, acc1,
                                           HAS_ROPE, DVS == 1, F32)
-    # the sequence's last tile (unwritten slots may hold NaN): masked loads, 16 keys at a
-    # time so that the tiles held in registers stay small
-    kt = tl.arange(0, 16)
-    for n0 in tl.range(t_hi, s_hi, 16, num_stages=1):
-        keys = n0 + kt
-        page = tl.load(tb + n0 // block_size)
-        bad = (page < 0) | (page >= num_blocks)
-        tl.store(flag_ptr, 1, mask=bad)
-        tl.store(flag_ptr + 1, page, mask=bad)
-        page = tl.where(bad, 0, page).to(tl.int64)
-        kin = (keys < s_hi) & (keys >= kv_lo) & ~bad
-        entry = page * stride_cb + (keys % block_size) * stride_ct
-        c0 = tl.load(c_ptr + entry[:, None] + col0 + hcol[None, :], mask=kin[:, None], other=0.0)
-        c1 = tl.load(c_ptr + entry[:, None] + col1 + hcol[None, :], mask=kin[:, None], other=0.0)
-        if DS_MLA:
-            c0 = tl.where(kin[:, None], _ds_scaled(c0, f32_ptr, entry, col0, R, GROUP, 16, HALF), 0.0)
-            c1 = tl.where(kin[:, None], _ds_scaled(c1, f32_ptr, entry, col1, R, GROUP, 16, HALF), 0.0)
-            rp = bf16_ptr + (entry[:, None] // 2 + rope_col) + p_[None, :]
-        else:
-            rp = c_ptr + entry[:, None] + rope_col + p_[None, :]
-        kr = c0
-        if HAS_ROPE:
-            kr = tl.load(rp, mask=_rope_mask(kin, p_, P, P_FULL), other=0.0)
-        m_i, l_i, acc0, acc1 = _tile_step(q0, q1, qr, c0.to(qdt), c1.to(qdt), kr.to(qdt), keys, kin,
-                                          lo, hi, qk_scale, m_i, l_i, acc0, acc1,
-                                          HAS_ROPE, DVS == 1, F32)
-
-    base = (qrow * heads + h) * num_splits + split
+    base = (qrow * heads + h) * (num_splits + 1) + split
     tl.store(ws_m + base, m_i, mask=rmask & (dv == 0))
     tl.store(ws_l + base, l_i, mask=rmask & (dv == 0))
     obase = ws_o + base[:, None] * R + hcol[None, :]
@@ -402,12 +384,13 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     if interpreting():
         return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
                     dv_splits=1, num_warps=4, num_stages=1, waves=0.0, swap=False)
-    block_n = 16 if f32 else (64 if block_size % 64 == 0 else 32)
-    if rows_per_request <= 16:
-        return dict(block_m=16, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2, waves=2.0, swap=False)
-    if rows_per_request <= 32:
-        return dict(block_m=32, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2, waves=2.0, swap=False)
-    return dict(block_m=64, block_n=block_n, dv_splits=2, num_warps=8, num_stages=2, waves=1.0, swap=False)
+    if f32 or block_size % 32:
+        # the float32 (reference-precision) path, or blocks the TMA tiles do not fit
+        bm = min(64, max(16, next_pow2(rows_per_request)))
+        return dict(block_m=bm, block_n=16 if f32 else 32, dv_splits=2 if bm == 64 else 1,
+                    num_warps=8 if bm == 64 else 4, num_stages=2, waves=2.0, swap=False)
+    return dict(block_m=64, block_n=32, dv_splits=2, num_warps=8, num_stages=3, waves=1.0,
+                swap=False)
 
 
 def _tma_descriptors(cache: torch.Tensor, rank: int, block_p: int, block_n: int):
@@ -521,7 +504,6 @@ def paged_mla_latent(
     if splits is None:
         splits = num_splits(batch * tiles * dv_splits, max_seq_len, 256, waves=cfg["waves"]) \
             if cfg["waves"] else num_splits(1, max_seq_len, 256)
-    ws = workspace(rows, heads, splits, rank, q_latent.device)
     out = torch.empty(rows, heads, rank, dtype=torch.float32, device=q_latent.device)
     scale_ptr = isinstance(latent_scale, torch.Tensor)
     lscale_f = 1.0 if latent_scale is None or scale_ptr else float(latent_scale)
@@ -538,33 +520,41 @@ def paged_mla_latent(
         views = (latent_cache, latent_cache, latent_cache)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     block_p = max(16, next_pow2(rope_dim))
-    common = dict(R=rank, DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_P=block_p,
-                  HAS_ROPE=rope_dim > 0, DS_MLA=ds, GROUP=min(DS_MLA_GROUP, rank),
-                  CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
-                  HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None, F32=f32,
-                  SCALE_PTR=scale_ptr, P_FULL=rope_dim == block_p,
-                  num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+    common = dict(R=rank, BLOCK_P=block_p, HAS_ROPE=rope_dim > 0, DS_MLA=ds,
+                  GROUP=min(DS_MLA_GROUP, rank), CAUSAL=mask.causal,
+                  HAS_DRAFT=mask.draft_block is not None, HAS_WINDOW=mask.window is not None,
+                  HAS_CHUNK=mask.chunk is not None, F32=f32, SCALE_PTR=scale_ptr,
+                  P_FULL=rope_dim == block_p)
+    warps, stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
     descs = _tma_descriptors(latent_cache, rank, block_p, block_n) if (
         tma is not False and not swap and dv_splits <= 2 and block_size % block_n == 0) else None
     if tma and descs is None:
         raise InvalidArgumentError(
             f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2, "
             f"no swap and 16-byte aligned, page-contiguous entries")
+    ws = workspace(rows, heads, splits + (descs is not None), rank, q_latent.device)
+    args = (query_start_loc, seq_lens, table, *ws, lscale, flag, ql.stride(0), ql.stride(1),
+            qr.stride(0), qr.stride(1), latent_cache.stride(0), latent_cache.stride(1),
+            table.stride(0), num_blocks, block_size, heads, rope_dim)
+    masks = (mask.window or 0, mask.chunk or 0, mask.draft_block or 0)
     if batch and rows and descs is not None:
         kd, rd, rope_col = descs
         _paged_mla_tma[(batch * tiles * dv_splits, splits)](
-            ql, qr, kd, rd, views[0], views[1], views[2], query_start_loc, seq_lens, table, *ws,
-            lscale, flag, ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1),
-            latent_cache.stride(0), latent_cache.stride(1), table.stride(0), num_blocks,
-            block_size, heads, rope_dim, rope_col, scale, lscale_f, mask.window or 0,
-            mask.chunk or 0, mask.draft_block or 0, tiles, splits, **common)
+            ql, qr, kd, rd, *views, *args, rope_col, scale, lscale_f, *masks, tiles, splits,
+            DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            num_stages=stages, **common)
+        # the keys of each sequence's last, partly written tile: masked loads, extra split
+        tail_tiles = -(-max(1, max_query_len) * heads // 16)
+        _paged_mla_fwd[(batch * tail_tiles, 1)](
+            ql, qr, latent_cache, *views, *args, scale, lscale_f, *masks, tail_tiles, 1,
+            block_n, splits + 1, DVS=1, BLOCK_M=16, BLOCK_N=16, PAGE_TILE=True, SWAP=False,
+            num_warps=4, num_stages=1, **common)
     elif batch and rows:
         _paged_mla_fwd[(batch * tiles * dv_splits, splits)](
-            ql, qr, latent_cache, *views, query_start_loc, seq_lens, table, *ws, lscale, flag,
-            ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), latent_cache.stride(0),
-            latent_cache.stride(1), table.stride(0), num_blocks, block_size, heads, rope_dim,
-            scale, lscale_f, mask.window or 0, mask.chunk or 0, mask.draft_block or 0, tiles,
-            splits, PAGE_TILE=block_size % block_n == 0, SWAP=swap, **common)
+            ql, qr, latent_cache, *views, *args, scale, lscale_f, *masks, tiles, splits, 0,
+            splits, DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n,
+            PAGE_TILE=block_size % block_n == 0, SWAP=swap, num_warps=warps, num_stages=stages,
+            **common)
     combine(ws, out, query_start_loc, None)
     if check_blocks:
         raise_on_bad_block(flag, num_blocks)
