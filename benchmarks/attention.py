@@ -223,14 +223,12 @@ def mla_grid(rows: int, fp8: bool) -> list[dict]:
         return dict(block_m=bm, block_n=bn, dv_splits=dvs, num_warps=w, num_stages=st, tma=tma, swap=swap)
     if rows <= 32:
         if fp8:
-            base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 64, 1, 4, 2, True), cfg(64, 32, 2, 8, 3, True)]
-        else:
-            base = [cfg(16, bn, 1, 4, 2, False) for bn in (32, 64)] + [
-                cfg(16, 64, 1, 4, 2, False, True), cfg(16, 64, 1, 4, 2, True),
-                cfg(64, 64, 2, 8, 2, True), cfg(64, 32, 2, 8, 3, True), cfg(64, 32, 1, 8, 3, True)]
-        return [dict(c, splits=sp) for c in base for sp in (4, 8)]
-    base = [cfg(32, 64, 1, 4, 2, False), cfg(64, 64, 2, 8, 2, False)] + [
-        cfg(64, bn, d, 8, st, True) for bn, st in ((32, 3), (64, 2)) for d in (1, 2)]
+            base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 32, 1, 4, 2, False), cfg(16, 32, 1, 4, 3, True, True)]
+            return [dict(c, splits=sp) for c in base for sp in (2, 4)]
+        base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 64, 1, 4, 2, True, True), cfg(16, 32, 1, 4, 3, True, True),
+                cfg(64, 64, 1, 8, 2, True)]
+        return [dict(c, splits=sp) for c in base for sp in (2, 4, 6)]
+    base = [cfg(64, 64, 1, 8, 2, True), cfg(32, 64, 1, 8, 2, True, True), cfg(16, 64, 1, 4, 2, True, True)]
     return [dict(c, splits=sp) for c in base for sp in (1, 2)]
 
 

@@ -210,6 +210,8 @@ LAUNCHES = [  # (cache block size, mask case, rope width, kernel launch override
     (16, "causal", 16, dict(block_m=16, block_n=16, dv_splits=2, splits=3)),  # page tiles, 2 slices
     (64, "draft_block_7", ROPE, dict(block_m=32, block_n=32, dv_splits=4, splits=1)),
     (16, "bidirectional", ROPE, dict(block_m=64, block_n=32, dv_splits=1, splits=2)),  # per-key ids
+    (16, "draft_block_7", 16, dict(block_m=32, block_n=16, dv_splits=1, splits=2, swap=True)),
+    (16, "causal", ROPE, dict(block_m=16, block_n=16, dv_splits=2, splits=1, swap=True, tma=False)),
 ]
 
 

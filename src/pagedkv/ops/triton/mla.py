@@ -275,6 +275,42 @@ def _tile_step(q0, q1, qr, c0, c1, kr, keys, kin, lo, hi, qk_scale, m_i, l_i, ac
 
 
 @triton.jit
+def _tile_step_t(q0, q1, qr, c0, c1, kr, keys, kin, lo, hi, qk_scale, m_i, l_i, acc0, acc1,
+                 HAS_ROPE: tl.constexpr, BOTH: tl.constexpr, F32: tl.constexpr):
+    """``_tile_step`` with keys on the MMA's M side: q* are [cols, BLOCK_M], scores
+    [BLOCK_N, BLOCK_M], accumulators [R/2, BLOCK_M]. The warps split keys for the scores and
+    output columns for the values, so no warp repeats another's score work."""
+    if F32:
+        s = tl.dot(c0, q0, input_precision="ieee")
+        s += tl.dot(c1, q1, input_precision="ieee")
+        if HAS_ROPE:
+            s += tl.dot(kr, qr, input_precision="ieee")
+    else:
+        s = tl.dot(c0, q0)
+        s = tl.dot(c1, q1, s)
+        if HAS_ROPE:
+            s = tl.dot(kr, qr, s)
+    s = s * qk_scale
+    seen = (keys[:, None] >= lo[None, :]) & (keys[:, None] < hi[None, :]) & kin[:, None]
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    pr = tl.exp2(s - m_use[None, :])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(pr, 0)
+    if F32:
+        acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pr, input_precision="ieee")
+        if BOTH:
+            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c1), pr, input_precision="ieee")
+    else:
+        p16 = pr.to(c0.dtype)
+        acc0 = tl.dot(tl.trans(c0), p16, acc0 * alpha[None, :])
+        if BOTH:
+            acc1 = tl.dot(tl.trans(c1), p16, acc1 * alpha[None, :])
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
 def _paged_mla_tma(
     ql_ptr, qr_ptr, kd, rd, c_ptr, f32_ptr, bf16_ptr, qsl_ptr, lens_ptr, table_ptr,
     ws_o, ws_m, ws_l, lscale_ptr, flag_ptr,
@@ -285,6 +321,7 @@ def _paged_mla_tma(
     BLOCK_P: tl.constexpr, HAS_ROPE: tl.constexpr, DS_MLA: tl.constexpr, GROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CHUNK: tl.constexpr, F32: tl.constexpr, SCALE_PTR: tl.constexpr, P_FULL: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     """Page-contiguous tiles (block_size % BLOCK_N == 0) read by the tensor-memory
     accelerator as two R/2 column halves plus the rope columns, straight into shared
@@ -322,13 +359,22 @@ def _paged_mla_tma(
     hcol = tl.arange(0, HALF)
     p_ = tl.arange(0, BLOCK_P)
     qrow = (q_start + row).to(tl.int64)
-    qbase = ql_ptr + qrow[:, None] * stride_qt + h[:, None] * stride_qh
-    q0 = tl.load(qbase + col0 + hcol[None, :], mask=rmask[:, None], other=0.0)
-    q1 = tl.load(qbase + col1 + hcol[None, :], mask=rmask[:, None], other=0.0)
-    qr = q0
-    if HAS_ROPE:
-        qr = tl.load(qr_ptr + qrow[:, None] * stride_rt + h[:, None] * stride_rh + p_[None, :],
-                     mask=_rope_mask(rmask, p_, P, P_FULL), other=0.0)
+    if SWAP:  # queries transposed: [cols, BLOCK_M]
+        qbase = ql_ptr + qrow[None, :] * stride_qt + h[None, :] * stride_qh
+        q0 = tl.load(qbase + col0 + hcol[:, None], mask=rmask[None, :], other=0.0)
+        q1 = tl.load(qbase + col1 + hcol[:, None], mask=rmask[None, :], other=0.0)
+        qr = q0
+        if HAS_ROPE:
+            qr = tl.load(qr_ptr + qrow[None, :] * stride_rt + h[None, :] * stride_rh + p_[:, None],
+                         mask=tl.trans(_rope_mask(rmask, p_, P, P_FULL)), other=0.0)
+    else:
+        qbase = ql_ptr + qrow[:, None] * stride_qt + h[:, None] * stride_qh
+        q0 = tl.load(qbase + col0 + hcol[None, :], mask=rmask[:, None], other=0.0)
+        q1 = tl.load(qbase + col1 + hcol[None, :], mask=rmask[:, None], other=0.0)
+        qr = q0
+        if HAS_ROPE:
+            qr = tl.load(qr_ptr + qrow[:, None] * stride_rt + h[:, None] * stride_rh + p_[None, :],
+                         mask=_rope_mask(rmask, p_, P, P_FULL), other=0.0)
     if F32:
         q0 = q0.to(tl.float32)
         q1 = q1.to(tl.float32)
@@ -342,8 +388,12 @@ def _paged_mla_tma(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    if SWAP:
+        acc0 = tl.zeros([HALF, BLOCK_M], dtype=tl.float32)
+        acc1 = tl.zeros([HALF, BLOCK_M], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     tb = table_ptr + b * stride_tb
     kn = tl.arange(0, BLOCK_N)
     for n0 in range(s_lo, t_hi, BLOCK_N):
@@ -364,33 +414,49 @@ def _paged_mla_tma(
             entry = (slot.to(tl.int64) + kn) * stride_ct
             c0 = _ds_scaled(c0, f32_ptr, entry, col0, R, GROUP, BLOCK_N, HALF)
             c1 = _ds_scaled(c1, f32_ptr, entry, col1, R, GROUP, BLOCK_N, HALF)
-        m_i, l_i, acc0, acc1 = _tile_step(q0, q1, qr, c0.to(qdt), c1.to(qdt), kr.to(qdt), keys, kin,
-                                          lo, hi, qk_scale, m_i, l_i, acc0, acc1,
-                                          HAS_ROPE, DVS == 1, F32)
+        if SWAP:
+            m_i, l_i, acc0, acc1 = _tile_step_t(q0, q1, qr, c0.to(qdt), c1.to(qdt), kr.to(qdt), keys,
+                                                kin, lo, hi, qk_scale, m_i, l_i, acc0, acc1,
+                                                HAS_ROPE, DVS == 1, F32)
+        else:
+            m_i, l_i, acc0, acc1 = _tile_step(q0, q1, qr, c0.to(qdt), c1.to(qdt), kr.to(qdt), keys,
+                                              kin, lo, hi, qk_scale, m_i, l_i, acc0, acc1,
+                                              HAS_ROPE, DVS == 1, F32)
     base = (qrow * heads + h) * (num_splits + 1) + split
     tl.store(ws_m + base, m_i, mask=rmask & (dv == 0))
     tl.store(ws_l + base, l_i, mask=rmask & (dv == 0))
-    obase = ws_o + base[:, None] * R + hcol[None, :]
-    tl.store(obase + col0, acc0 * lscale, mask=rmask[:, None])
-    if DVS == 1:
-        tl.store(obase + col1, acc1 * lscale, mask=rmask[:, None])
+    if SWAP:
+        obase = ws_o + base[None, :] * R + hcol[:, None]
+        tl.store(obase + col0, acc0 * lscale, mask=rmask[None, :])
+        if DVS == 1:
+            tl.store(obase + col1, acc1 * lscale, mask=rmask[None, :])
+    else:
+        obase = ws_o + base[:, None] * R + hcol[None, :]
+        tl.store(obase + col0, acc0 * lscale, mask=rmask[:, None])
+        if DVS == 1:
+            tl.store(obase + col1, acc1 * lscale, mask=rmask[:, None])
 
 
 def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool) -> dict:
-    """Launch config by shape family (benchmarks/attention.py's sweeps on the H200,
-    docs/kernels.md): tiles of <= 16/32 rows keep the whole 512-wide accumulator; larger
-    row counts (q_len x heads >= 64) are cut into row tiles and output-column slices so that
-    the float32 accumulator stays in registers."""
+    """Launch config by shape family, from benchmarks/attention.py's sweeps on the H200
+    (docs/kernels.md). bf16/fp16 with page tiles: the TMA kernel with keys on the MMA's M
+    side (``swap``), 16 or 32 query rows per program. fp8 caches: the pointer kernel (the
+    fp8 -> bf16 conversion of a TMA tile in registers spills)."""
     if interpreting():
         return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
-                    dv_splits=1, num_warps=4, num_stages=1, waves=0.0, swap=False)
-    if f32 or block_size % 32:
-        # the float32 (reference-precision) path, or blocks the TMA tiles do not fit
+                    dv_splits=1, num_warps=4, num_stages=1, waves=0.0, swap=False, tma=None)
+    if f32 or block_size % 32 or fp8:
+        # float32 (reference-precision) path, fp8 caches, or blocks TMA tiles do not fit
         bm = min(64, max(16, next_pow2(rows_per_request)))
-        return dict(block_m=bm, block_n=16 if f32 else 32, dv_splits=2 if bm == 64 else 1,
-                    num_warps=8 if bm == 64 else 4, num_stages=2, waves=2.0, swap=False)
-    return dict(block_m=64, block_n=32, dv_splits=2, num_warps=8, num_stages=3, waves=1.0,
-                swap=False)
+        return dict(block_m=16 if fp8 else bm, block_n=16 if f32 else (64 if block_size % 64 == 0 else 32),
+                    dv_splits=2 if bm == 64 and not fp8 else 1,
+                    num_warps=8 if bm == 64 and not fp8 else 4, num_stages=2, waves=2.0,
+                    swap=False, tma=False if fp8 else None)
+    if rows_per_request <= 16:
+        return dict(block_m=16, block_n=64, dv_splits=1, num_warps=4, num_stages=2, waves=1.0,
+                    swap=True, tma=True)
+    return dict(block_m=32, block_n=64, dv_splits=1, num_warps=8, num_stages=2, waves=1.0,
+                swap=True, tma=True)
 
 
 def _tma_descriptors(cache: torch.Tensor, rank: int, block_p: int, block_n: int):
@@ -496,6 +562,7 @@ def paged_mla_latent(
     block_n = block_n or cfg["block_n"]
     dv_splits = dv_splits or cfg["dv_splits"]
     swap = cfg["swap"] if swap is None else bool(swap)
+    tma = cfg["tma"] if tma is None else tma
     if dv_splits < 1 or rank % dv_splits or rank // dv_splits < 16:
         raise InvalidArgumentError(
             f"dv_splits={dv_splits} must divide kv_lora_rank {rank} into slices of >= 16")
@@ -527,11 +594,11 @@ def paged_mla_latent(
                   P_FULL=rope_dim == block_p)
     warps, stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
     descs = _tma_descriptors(latent_cache, rank, block_p, block_n) if (
-        tma is not False and not swap and dv_splits <= 2 and block_size % block_n == 0) else None
+        tma is not False and dv_splits <= 2 and block_size % block_n == 0) else None
     if tma and descs is None:
         raise InvalidArgumentError(
-            f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2, "
-            f"no swap and 16-byte aligned, page-contiguous entries")
+            f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2 "
+            f"and 16-byte aligned, page-contiguous entries")
     ws = workspace(rows, heads, splits + (descs is not None), rank, q_latent.device)
     args = (query_start_loc, seq_lens, table, *ws, lscale, flag, ql.stride(0), ql.stride(1),
             qr.stride(0), qr.stride(1), latent_cache.stride(0), latent_cache.stride(1),
@@ -541,7 +608,7 @@ def paged_mla_latent(
         kd, rd, rope_col = descs
         _paged_mla_tma[(batch * tiles * dv_splits, splits)](
             ql, qr, kd, rd, *views, *args, rope_col, scale, lscale_f, *masks, tiles, splits,
-            DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n, SWAP=swap, num_warps=warps,
             num_stages=stages, **common)
         # the keys of each sequence's last, partly written tile: masked loads, extra split
         tail_tiles = -(-max(1, max_query_len) * heads // 16)
