@@ -438,25 +438,35 @@ def _paged_mla_tma(
 
 
 def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool) -> dict:
-    """Launch config by shape family, from benchmarks/attention.py's sweeps on the H200
-    (docs/kernels.md). bf16/fp16 with page tiles: the TMA kernel with keys on the MMA's M
-    side (``swap``), 16 or 32 query rows per program. fp8 caches: the pointer kernel (the
-    fp8 -> bf16 conversion of a TMA tile in registers spills)."""
+    """Launch config by shape family, chosen from benchmarks/attention.py's sweeps on the
+    H200 (docs/kernels.md). bf16/fp16 with page tiles: the TMA kernel; <= 16 query rows per
+    request with keys on the MMA's M side (``swap``), more rows as 64-row tiles. fp8 caches:
+    the pointer kernel (a TMA tile converted to bf16 in registers spills). ``waves``: programs
+    per multiprocessor that the KV splits aim at (rounded down: a second partial wave cost
+    more than it gained in the sweeps)."""
     if interpreting():
         return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
                     dv_splits=1, num_warps=4, num_stages=1, waves=0.0, swap=False, tma=None)
     if f32 or block_size % 32 or fp8:
         # float32 (reference-precision) path, fp8 caches, or blocks TMA tiles do not fit
-        bm = min(64, max(16, next_pow2(rows_per_request)))
-        return dict(block_m=16 if fp8 else bm, block_n=16 if f32 else (64 if block_size % 64 == 0 else 32),
-                    dv_splits=2 if bm == 64 and not fp8 else 1,
-                    num_warps=8 if bm == 64 and not fp8 else 4, num_stages=2, waves=2.0,
-                    swap=False, tma=False if fp8 else None)
+        bm = 16 if fp8 else min(64, max(16, next_pow2(rows_per_request)))
+        return dict(block_m=bm, block_n=16 if f32 else 32, dv_splits=2 if bm == 64 else 1,
+                    num_warps=8 if bm == 64 else 4, num_stages=2, waves=2.0, swap=False,
+                    tma=False if fp8 else None)
+    block_n = 64 if block_size % 64 == 0 else 32
     if rows_per_request <= 16:
-        return dict(block_m=16, block_n=64, dv_splits=1, num_warps=4, num_stages=2, waves=1.0,
-                    swap=True, tma=True)
-    return dict(block_m=32, block_n=64, dv_splits=1, num_warps=8, num_stages=2, waves=1.0,
-                swap=True, tma=True)
+        return dict(block_m=16, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2,
+                    waves=1.0, swap=True, tma=True)
+    return dict(block_m=64, block_n=block_n, dv_splits=1, num_warps=8, num_stages=2, waves=1.0,
+                swap=False, tma=True)
+
+
+def _splits(work_items: int, max_seq_len: int, waves: float) -> int:
+    """KV splits: floor(waves x SMs / programs), at least 256 keys each, 1..64."""
+    if interpreting() or not waves:
+        return num_splits(1, max_seq_len, 256)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return max(1, min(int(waves * sms) // max(1, work_items), -(-max_seq_len // 256), 64))
 
 
 def _tma_descriptors(cache: torch.Tensor, rank: int, block_p: int, block_n: int):
@@ -569,8 +579,7 @@ def paged_mla_latent(
     tiles = max(1, -(-max(1, max_query_len) * heads // block_m))
     batch = seq_lens.shape[0]
     if splits is None:
-        splits = num_splits(batch * tiles * dv_splits, max_seq_len, 256, waves=cfg["waves"]) \
-            if cfg["waves"] else num_splits(1, max_seq_len, 256)
+        splits = _splits(batch * tiles * dv_splits, max_seq_len, cfg["waves"])
     out = torch.empty(rows, heads, rank, dtype=torch.float32, device=q_latent.device)
     scale_ptr = isinstance(latent_scale, torch.Tensor)
     lscale_f = 1.0 if latent_scale is None or scale_ptr else float(latent_scale)
