@@ -311,7 +311,25 @@ def flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops,
 
 
 # ---------------------------------------------------------------- MLA
-def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, do_sweep=False):
+def mla_grid(rows: int, fp8: bool) -> list[dict]:
+    """Launch configs swept per MLA shape family (rows = q_len x heads per request): the
+    pointer kernel (per-tile addresses, optionally transposed scores) and the TMA kernel."""
+    def cfg(bm, bn, dvs, w, st, tma, swap=False):
+        return dict(block_m=bm, block_n=bn, dv_splits=dvs, num_warps=w, num_stages=st, tma=tma, swap=swap)
+    if rows <= 32:
+        if fp8:
+            base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 32, 1, 4, 2, False), cfg(16, 32, 1, 4, 3, True, True)]
+            return [dict(c, splits=sp) for c in base for sp in (2, 4)]
+        base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 64, 1, 4, 2, True, True), cfg(16, 32, 1, 4, 3, True, True),
+                cfg(64, 64, 1, 8, 2, True)]
+        return [dict(c, splits=sp) for c in base for sp in (2, 4, 6)]
+    base = [cfg(64, 64, 1, 8, 2, True), cfg(32, 64, 1, 8, 2, True, True), cfg(16, 64, 1, 4, 2, True, True)]
+    return [dict(c, splits=sp) for c in base for sp in (1, 2)]
+
+
+def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, family=None,
+             do_sweep=False):
+    """``family``: which TUNED entry this shape uses (swept here when ``do_sweep``)."""
     dev = "cuda"
     rank, rope = 512, 64
     case = f"mla B{batch} ctx{ctx} h{heads} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
@@ -327,45 +345,35 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
     mask = Mask() if causal else Mask(causal=False, draft_block=q_len)
     scale = 1 / math.sqrt(192)
     flops = 2.0 * batch * q_len * heads * ctx * (576 + 512)
-    kw = dict(scale=scale, mask=mask, max_query_len=q_len, max_seq_len=ctx)
+    # no host read-back of the out-of-cache flag (as inside a captured decode step)
+    kw = dict(scale=scale, mask=mask, max_query_len=q_len, max_seq_len=ctx, check_blocks=False)
+    family = family or f"mla_{case}"
+    ref = paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw)
     if fmt == "fp8_ds_mla":
         cache = torch.empty(pages, page, 656, device=dev, dtype=torch.uint8)
         slots = torch.arange(pages * page, device=dev)
         flat = latent.view(-1, rank + rope)
         write_mla_latent(flat[:, :rank], flat[:, rank:], cache, slots)
-        del latent
-        record(case, "pagedkv_triton", lambda: paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, **kw),
-               batch * ctx * 656, None, flops)
-        if TUNED["mla"]:
-            record(case, tuned_name("mla"), lambda: paged_mla_latent(
-                q_lat, q_rope, cache, qsl, lens, table, **kw, **TUNED["mla"]), batch * ctx * 656, None, flops)
-        return None
-    if fmt == "fp8":
+        extra, nbytes = {}, batch * ctx * 656
+    elif fmt == "fp8":
         ls = float(latent.abs().amax()) / 448
         cache = (latent.float() / ls).to(torch.float8_e4m3fn)
+        extra, nbytes = {"latent_scale": ls}, batch * ctx * 576
+    else:
+        cache, extra, nbytes = latent, {}, batch * ctx * 576 * 2
+    if fmt != "bf16":
         del latent
-        record(case, "pagedkv_triton",
-               lambda: paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, latent_scale=ls, **kw),
-               batch * ctx * 576, None, flops)
-        if TUNED["mla"]:
-            record(case, tuned_name("mla"), lambda: paged_mla_latent(
-                q_lat, q_rope, cache, qsl, lens, table, latent_scale=ls, **kw, **TUNED["mla"]),
-                batch * ctx * 576, None, flops)
-        return None
-    nbytes = batch * ctx * 576 * 2
-    ours = lambda: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw)  # noqa: E731
-    ref = ours()
-    record(case, "pagedkv_triton", ours, nbytes, ref, flops)
+        # relerr of fp8 rows: against the bf16 kernel on the unquantized latent (storage error)
+
+    def run(**c):
+        return paged_mla_latent(q_lat, q_rope, cache, qsl, lens, table, **kw, **extra, **c)
+
+    record(case, "pagedkv_triton", run, nbytes, ref, flops)
     if do_sweep:
-        auto = max(1, -(-264 // batch))
-        sweep("mla", case, lambda **c: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw, **c),
-              [dict(block_n=bn, num_warps=w, num_stages=st, splits=sp) for bn in (32, 64)
-               for w in (4, 8) for st in (1, 2) for sp in (auto, 2 * auto)])
-    if TUNED["mla"]:
-        record(case, tuned_name("mla"),
-               lambda: paged_mla_latent(q_lat, q_rope, latent, qsl, lens, table, **kw, **TUNED["mla"]),
-               nbytes, ref, flops)
-    if not peers:
+        sweep(family, case, run, mla_grid(q_len * heads, fmt != "bf16"))
+    if TUNED.get(family):
+        record(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, ref, flops)
+    if not peers or fmt != "bf16":
         return ref
     try:
         import flashinfer
@@ -394,11 +402,34 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
     return ref
 
 
+def mla_summary() -> None:
+    """Each MLA case: pagedkv's best row against the best peer of the same run, and the
+    draft-block / fp8 rows against the same kernel's bf16 q1 time."""
+    best: dict[tuple[str, bool], float] = {}
+    for case, name, us, *_ in ROWS:
+        if case.startswith("mla"):
+            key = (case, name.startswith("pagedkv"))
+            best[key] = min(us, best.get(key, us))
+    q1 = {c: us for (c, ours), us in best.items() if ours}
+    print("# MLA summary (pagedkv best us / best peer us; vs the bf16 h16 q1 kernel)")
+    for (case, ours), us in sorted(best.items()):
+        if not ours:
+            continue
+        peer = best.get((case, False))
+        base = next((v for c, v in q1.items() if c.endswith(" q1") and
+                     c.split(" h")[1].split(" ")[0] == case.split(" h")[1].split(" ")[0]
+                     and c.split(" ")[1] == case.split(" ")[1] and c.split(" ")[2] == case.split(" ")[2]),
+                    None)
+        print(f"#   {case:34s} {us:8.1f} us" + (f"  peer {peer:8.1f} us  ratio {peer / us:5.2f}x" if peer else "")
+              + (f"  / own bf16 q1 {us / base:5.2f}x" if base else ""), flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
+    parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")
@@ -441,15 +472,17 @@ def main(argv=None) -> int:
         if not args.quick:
             gqa_case(64, 32768, 1, True, fp8=True)
     if args.only != "gqa":
-        mla_case(64, 8192, 16, 1, True, do_sweep=True)
-        mla_case(64, 8192, 16, 7, False)
-        mla_case(64, 8192, 16, 7, True)
-        mla_case(64, 8192, 128, 1, True)
-        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla")
-        mla_case(64, 8192, 16, 1, True, fmt="fp8")
+        sw = not args.no_mla_sweep
+        mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw)
+        mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw)
+        mla_case(64, 8192, 16, 7, True, family="mla_rows")
+        mla_case(64, 8192, 128, 1, True, family="mla_h128", do_sweep=sw)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla", family="mla_ds", do_sweep=sw)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8", family="mla_fp8", do_sweep=sw)
         if not args.quick:
-            mla_case(64, 8192, 128, 7, False)
-            mla_case(128, 8192, 16, 1, True)
+            mla_case(64, 8192, 128, 7, False, family="mla_h128")
+            mla_case(128, 8192, 16, 1, True, family="mla_q1")
+        mla_summary()
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(f"{dev}, torch {torch.__version__}, triton {triton.__version__}, {stamp}; "

@@ -201,3 +201,44 @@ def test_bad_calls_raise(ops_backend):
     with pytest.raises(InvalidArgumentError, match="fp8_ds_mla"):
         paged_mla(q_nope, q_rope, ds.cache, qsl, seq_lens, ds.table, w_uk=w_uk, w_uv=w_uv,
                   latent_scale=1.0)
+
+
+LAUNCHES = [  # (cache block size, mask case, rope width, kernel launch overrides)
+    (16, "causal", 16, dict(block_m=16, block_n=16, dv_splits=2, splits=3)),  # page tiles, 2 slices
+    (64, "draft_block_7", ROPE, dict(block_m=32, block_n=32, dv_splits=4, splits=1)),
+    (16, "bidirectional", ROPE, dict(block_m=64, block_n=32, dv_splits=1, splits=2)),  # per-key ids
+    (16, "draft_block_7", 16, dict(block_m=32, block_n=16, dv_splits=1, splits=2, swap=True)),
+    (16, "causal", ROPE, dict(block_m=16, block_n=16, dv_splits=2, splits=1, swap=True, tma=False)),
+]
+
+
+@pytest.mark.parametrize("block_size,case,rope,launch", LAUNCHES)
+def test_triton_launch_configs_match_naive_mla(block_size, case, rope, launch):
+    """Row tiles, output-column slices, page-contiguous and per-key tiles, KV splits: each
+    launch computes the same attention (float32 queries, so the kernel's exact path)."""
+    pytest.importorskip("triton")
+    from pagedkv.ops.triton.mla import paged_mla_latent as triton_mla_latent
+
+    mask, seqs = CASES[case]
+    seqs = seqs[:8]
+    sc = make_cache([s for s, _ in seqs], block_size, "bf16", rope=rope, seed=7 + block_size)
+    w_uk, w_uv = weights(7)
+    q_nope, q_rope, qsl, seq_lens = queries(seqs, rope=rope, seed=7)
+    o_latent = triton_mla_latent(absorb_query(q_nope, w_uk), q_rope, sc.cache, qsl, seq_lens,
+                                 sc.table, scale=1 / math.sqrt(D_NOPE + rope), mask=mask, **launch)
+    got = project_output(o_latent, w_uv).double().cpu()
+    assert not bool(got.isnan().any())
+    torch.testing.assert_close(got, naive(q_nope, q_rope, sc.latents, seqs, w_uk, w_uv, mask),
+                               **EXACT["triton"])
+
+
+def test_triton_rejects_a_bad_column_split():
+    pytest.importorskip("triton")
+    from pagedkv.ops.triton.mla import paged_mla_latent as triton_mla_latent
+
+    sc = make_cache([9], 16, "bf16")
+    q_nope, q_rope, qsl, seq_lens = queries([(9, 1)])
+    w_uk, _ = weights()
+    with pytest.raises(InvalidArgumentError, match="dv_splits"):
+        triton_mla_latent(absorb_query(q_nope, w_uk), q_rope, sc.cache, qsl, seq_lens, sc.table,
+                          scale=0.3, dv_splits=3)
