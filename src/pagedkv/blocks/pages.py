@@ -20,8 +20,16 @@ block used again before that drain cancels its page's unmap instead). Pages cove
 the start and never unmapped. The backing keeps :meth:`stock_wanted` pages pre-created so a
 map never waits for creation; those come out of the free bytes, never on top of the budget.
 
+A release only moves counts: a page left empty is noted on a per-pool list and its fate
+(pending, dropped, unmap) is decided by :meth:`_settle` on the ledger's next call other than
+``use`` / ``try_use_one`` / ``release`` -- by then a decode step has usually taken the page
+again (a LIFO free list hands freed blocks straight back), so most emptied pages never touch
+the op queues. Every answer is the one settling at once would give; only the order of ops
+of one kind within a drain may differ.
+
 Standard library only; the ledger holds no memory, it only decides. Cost: O(pages a block
-touches) per block used or released; the queries over pages are O(pages of the pool).
+touches) per block used or released (integer arithmetic and a count when no block
+straddles a page); the queries over pages are O(pages of the pool).
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from itertools import repeat
+from operator import floordiv, mod
 from typing import NamedTuple
 
 from pagedkv.blocks.ids import BlockId, PoolId
@@ -72,6 +83,10 @@ class UnmapOp(NamedTuple):
 
 PageOp = MapOp | UnmapOp
 
+# build ops from tuples in C (no Python-level ``__new__`` frame per op)
+_new_map = partial(tuple.__new__, MapOp)
+_new_unmap = partial(tuple.__new__, UnmapOp)
+
 
 def virtual_pages(spec: PoolRange, page_bytes: int) -> int:
     """Pages of the pool's virtual range: its ceiling's bytes, rounded up to whole pages."""
@@ -82,7 +97,7 @@ class _PoolPages:
     """Per-pool state: page states, blocks in use per page, which blocks hold data."""
 
     __slots__ = ("spec", "num_pages", "floor_pages", "state", "count", "held", "block_used",
-                 "span", "index", "bb", "ceiling")
+                 "span", "index", "bb", "ceiling", "per_page", "emptied")
 
     def __init__(self, spec: PoolRange, page_bytes: int, index: int = 0) -> None:
         self.spec = spec
@@ -99,6 +114,11 @@ class _PoolPages:
         self.held = 0  # pages mapped or pending (charged to the budget)
         self.block_used = bytearray(spec.ceiling_blocks)
         self.span = (spec.block_bytes + page_bytes - 2) // page_bytes + 1  # most pages a block touches
+        # blocks per page when none straddles a page (page of block b: b // per_page), else 0
+        self.per_page = page_bytes // spec.block_bytes if page_bytes % spec.block_bytes == 0 else 0
+        # non-floor pages whose count fell to 0 since the last settle (may repeat, may have
+        # been used again since): still in their old state until PageLedger._settle
+        self.emptied: list[int] = []
 
 
 class PageLedger:
@@ -153,6 +173,7 @@ class PageLedger:
         self._unmaps: dict[int, int] = {}  # page -> its UnmapOp's after_step, next drain
         self.launched = NO_STEP  # last step handed to the device
         self.finished = NO_STEP  # every step up to this one has finished
+        self._dirty = False  # some pool's ``emptied`` list may be non-empty
         for p in self._pools.values():
             for page in range(p.floor_pages):
                 p.state[page] = _MAPPED
@@ -168,15 +189,21 @@ class PageLedger:
 
     def mapped_bytes(self, pool_id: PoolId | None = None) -> int:
         """Bytes of pages held (mapped, queued to map, or pending unmap), of one pool or all."""
+        if self._dirty:
+            self._settle()
         held = self._held if pool_id is None else self._pool(pool_id).held
         return held * self.page_bytes
 
     def free_bytes(self) -> int:
         """Budget bytes no page holds: what :meth:`use` can still map now."""
+        if self._dirty:
+            self._settle()
         return (self.budget_pages - self._held) * self.page_bytes
 
     def pending_bytes(self) -> int:
         """Bytes of empty pages still charged, waiting for the step in flight to finish."""
+        if self._dirty:
+            self._settle()
         return len(self._pending) * self.page_bytes
 
     def floor_bytes(self, pool_id: PoolId | None = None) -> int:
@@ -192,6 +219,8 @@ class PageLedger:
 
     def stock_wanted(self) -> int:
         """Spare physical pages the backing should hold created now (within the budget)."""
+        if self._dirty:
+            self._settle()
         return min(self.stock_pages, self.budget_pages - self._held)
 
     # ---- blocks -----------------------------------------------------------------------
@@ -215,6 +244,8 @@ class PageLedger:
 
     def is_mapped(self, pool_id: PoolId, block: BlockId) -> bool:
         """Whether every page of the block is held (using it then costs no bytes)."""
+        if self._dirty:
+            self._settle()
         state = self._pool(pool_id).state
         return all(state[pg] != _UNMAPPED for pg in self.pages_of(pool_id, block))
 
@@ -225,6 +256,8 @@ class PageLedger:
 
     def bytes_to_use(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> int:
         """Bytes :meth:`use` of these blocks would newly map (0: they fit on held pages)."""
+        if self._dirty:
+            self._settle()
         new = self._new_pages(self._pool(pool_id), blocks)
         return len(new) * self.page_bytes if new else 0
 
@@ -234,7 +267,7 @@ class PageLedger:
         if type(blocks) is not list and not isinstance(blocks, (tuple, range)):
             blocks = list(blocks)
         if len(blocks) == 1:  # a decode step's block: the one-block path
-            if not self.try_use_one(pool_id, blocks[0]):
+            if not self.try_use_one(pool_id, blocks[0]):  # (settled by try_use_one)
                 new = self._new_pages(self._pool(pool_id), blocks) or ()
                 raise OutOfBlocksError(
                     f"pool {pool_id}: 1 block needs {len(new)} new pages of "
@@ -243,6 +276,9 @@ class PageLedger:
             return
         p = self._pools.get(pool_id) or self._pool(pool_id)
         room = self.budget_pages - self._held
+        if len(blocks) * p.span > room and self._dirty:  # could be short: exact counts first
+            self._settle()
+            room = self.budget_pages - self._held
         # count the new pages only when the budget could fall short of the worst case
         new = self._new_pages(p, blocks) if len(blocks) * p.span > room else None
         if new and len(new) > room:
@@ -263,7 +299,27 @@ class PageLedger:
         n, idx = self._npools, p.index
         maps, pending, unmaps = self._maps, self._pending, self._unmaps
         mapped = 0
+        k = p.per_page
         try:
+            if k:  # no block straddles a page: one page per block, no range
+                for b in blocks:
+                    if used[b]:
+                        raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
+                    used[b] = 1
+                    pg = b // k
+                    c = count[pg]
+                    count[pg] = c + 1
+                    if c or state[pg] == _MAPPED:  # holds data, a floor page, or emptied
+                        continue
+                    key = pg * n + idx
+                    if state[pg] == _PENDING:
+                        del pending[key]
+                    else:
+                        if unmaps.pop(key, None) is None:
+                            maps[key] = None
+                        mapped += 1
+                    state[pg] = _MAPPED
+                return
             for b in blocks:
                 if used[b]:
                     raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
@@ -273,7 +329,7 @@ class PageLedger:
                 for pg in (lo,) if lo == hi else range(lo, hi + 1):
                     c = count[pg]
                     count[pg] = c + 1
-                    if c or state[pg] == _MAPPED:  # holds data already, or a floor page
+                    if c or state[pg] == _MAPPED:  # holds data, a floor page, or emptied
                         continue
                     key = pg * n + idx
                     if state[pg] == _PENDING:
@@ -293,24 +349,30 @@ class PageLedger:
         changed) when the budget cannot hold its new pages: a decode step's allocation."""
         p = self._pools.get(pool_id) or self._pool(pool_id)
         if p.span > self.budget_pages - self._held:  # could be short: count its new pages
+            if self._dirty:
+                self._settle()
             new = self._new_pages(p, (block,))
             if new and len(new) > self.budget_pages - self._held:
                 return False
         b = block
         if not 0 <= b < p.ceiling:
             self._check_block(p, b)
-        pb = self.page_bytes
-        lo = b * p.bb // pb
-        if lo != ((b + 1) * p.bb - 1) // pb:  # straddles pages: the general loop
-            self._use_checked(p, pool_id, (b,))
-            return True
+        k = p.per_page
+        if k:
+            lo = b // k
+        else:
+            pb = self.page_bytes
+            lo = b * p.bb // pb
+            if lo != ((b + 1) * p.bb - 1) // pb:  # straddles pages: the general loop
+                self._use_checked(p, pool_id, (b,))
+                return True
         if p.block_used[b]:
             raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
         p.block_used[b] = 1
         c = p.count[lo]
         p.count[lo] = c + 1
         state = p.state
-        if c or state[lo] == _MAPPED:
+        if c or state[lo] == _MAPPED:  # holds data, a floor page, or emptied (not settled)
             return True
         key = lo * self._npools + p.index
         if state[lo] == _PENDING:
@@ -325,42 +387,69 @@ class PageLedger:
 
     def release(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
         """These blocks hold no data any more; pages left empty become pending (or, if
-        their map was never applied, are dropped at once)."""
+        their map was never applied, are dropped at once). Only counts move here: the
+        pages' fate is settled on the next call that could observe it."""
         p = self._pools.get(pool_id) or self._pool(pool_id)
-        bb, pb = p.bb, self.page_bytes
         used, count, floor, ceiling = p.block_used, p.count, p.floor_pages, p.ceiling
-        state = p.state
-        n, idx = self._npools, p.index
+        emptied = p.emptied
+        self._dirty = True
+        k = p.per_page
+        if k:  # no block straddles a page
+            for b in blocks:
+                if not (0 <= b < ceiling and used[b]):
+                    self._bad_release(p, b)
+                used[b] = 0
+                pg = b // k
+                c = count[pg] - 1
+                count[pg] = c
+                if not c and pg >= floor:
+                    emptied.append(pg)
+            return
+        bb, pb = p.bb, self.page_bytes
+        for b in blocks:
+            if not (0 <= b < ceiling and used[b]):
+                self._bad_release(p, b)
+            used[b] = 0
+            for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
+                c = count[pg] - 1
+                count[pg] = c
+                if not c and pg >= floor:
+                    emptied.append(pg)
+
+    def _bad_release(self, p: _PoolPages, b: int) -> None:
+        self._check_block(p, b)
+        raise CacheCorruptedError(f"pool {p.spec.pool_id}: block {b} released but not in use")
+
+    def _settle(self) -> None:
+        """Decide the fate of the pages releases left empty, as if decided at each release
+        (``launched`` and ``finished`` cannot have changed since: every step call settles
+        first). A page used again since is skipped; so is a repeat."""
+        self._dirty = False
+        n = self._npools
         maps, pending, unmaps = self._maps, self._pending, self._unmaps
         launched = self.launched
         in_flight = launched > self.finished
-        dropped = 0
-        try:
-            for b in blocks:
-                if not (0 <= b < ceiling and used[b]):
-                    self._check_block(p, b)
-                    raise CacheCorruptedError(
-                        f"pool {pool_id}: block {b} released but not in use")
-                used[b] = 0
-                lo = b * bb // pb
-                hi = ((b + 1) * bb - 1) // pb
-                for pg in (lo,) if lo == hi else range(lo, hi + 1):
-                    c = count[pg] - 1
-                    count[pg] = c
-                    if c or pg < floor:
-                        continue
-                    key = pg * n + idx
-                    if maps.pop(key, 0) is None:  # never reached the device
-                        state[pg] = _UNMAPPED
-                        dropped += 1
-                    elif in_flight:  # the step in flight may read it: unmap after it
-                        state[pg] = _PENDING
-                        pending[key] = launched
-                    else:  # nothing in flight can read it
-                        state[pg] = _UNMAPPED
-                        dropped += 1
-                        unmaps[key] = launched
-        finally:
+        for p in self._pools.values():
+            emptied = p.emptied
+            if not emptied:
+                continue
+            p.emptied = []
+            count, state, idx = p.count, p.state, p.index
+            dropped = 0
+            for pg in emptied:
+                if count[pg] or state[pg] != _MAPPED:
+                    continue
+                key = pg * n + idx
+                if maps.pop(key, 0) is None:  # never reached the device
+                    state[pg] = _UNMAPPED
+                    dropped += 1
+                elif in_flight:  # the step in flight may read it: unmap after it
+                    state[pg] = _PENDING
+                    pending[key] = launched
+                else:  # nothing in flight can read it
+                    state[pg] = _UNMAPPED
+                    dropped += 1
+                    unmaps[key] = launched
             p.held -= dropped
             self._held -= dropped
 
@@ -368,6 +457,8 @@ class PageLedger:
         """Bytes that would leave the budget (after the step in flight) if these blocks --
         say cached ones the manager could evict -- were released."""
         p = self._pool(pool_id)
+        if self._dirty:
+            self._settle()
         hits: dict[int, int] = {}
         for b in set(blocks):
             if not self.holds_data(pool_id, b):
@@ -381,6 +472,8 @@ class PageLedger:
         """Up to ``n`` (page, blocks holding data) of the pool's unmappable pages that hold
         data, fewest blocks first: where evicting frees a page soonest."""
         p = self._pool(pool_id)
+        if self._dirty:
+            self._settle()
         count = p.count
         found = heapq.nsmallest(
             n, ((count[pg], pg) for pg in range(p.floor_pages, p.num_pages) if count[pg]))
@@ -390,6 +483,8 @@ class PageLedger:
         """Up to ``n`` (page, blocks holding data) of held pages with room for another
         block, fullest first: where placing a new block packs pages tightest."""
         p = self._pool(pool_id)
+        if self._dirty:
+            self._settle()
         count, state = p.count, p.state
         room = [(pg, count[pg]) for pg in range(p.num_pages)
                 if state[pg] != _UNMAPPED and count[pg] < len(self.blocks_on_page(pool_id, pg))]
@@ -402,6 +497,8 @@ class PageLedger:
         on wait for it."""
         if step <= self.launched:
             raise InvalidArgumentError(f"step {step} launched after step {self.launched}")
+        if self._dirty:  # pages emptied so far wait for the steps launched so far
+            self._settle()
         self.launched = step
 
     def step_finished(self, step: int) -> None:
@@ -411,6 +508,8 @@ class PageLedger:
                 f"step {step} finished but the last launched is {self.launched}")
         if step <= self.finished:
             return
+        if self._dirty:
+            self._settle()
         self.finished = step
         pending = self._pending
         if not pending:
@@ -435,13 +534,24 @@ class PageLedger:
     def drain(self) -> list[PageOp]:
         """The ops to apply now, between steps, in order: unmaps (their step finished;
         their bytes are already free in the ledger), then maps."""
+        if self._dirty:
+            self._settle()
+        unmaps, maps = self._unmaps, self._maps
+        if not (unmaps or maps):
+            return []
         n = self._npools
-        ids = self._pool_ids
-        out: list[PageOp] = [UnmapOp(ids[key % n], key // n, s)
-                             for key, s in self._unmaps.items()]
-        out += [MapOp(ids[key % n], key // n) for key in self._maps]
-        self._unmaps.clear()
-        self._maps.clear()
+        if n == 1:
+            pid = self._pool_ids[0]
+            out: list[PageOp] = list(map(_new_unmap, zip(repeat(pid), unmaps, unmaps.values())))
+            out += map(_new_map, zip(repeat(pid), maps))
+        else:
+            get = self._pool_ids.__getitem__
+            out = list(map(_new_unmap, zip(map(get, map(mod, unmaps, repeat(n))),
+                                           map(floordiv, unmaps, repeat(n)), unmaps.values())))
+            out += map(_new_map, zip(map(get, map(mod, maps, repeat(n))),
+                                     map(floordiv, maps, repeat(n))))
+        unmaps.clear()
+        maps.clear()
         return out
 
     # ---- checked mode -----------------------------------------------------------------
@@ -460,10 +570,15 @@ class PageLedger:
                             bad.append(f"pool {pid}: block {b} holds data on unmapped page {pg}")
             if count != p.count:
                 bad.append(f"pool {pid}: page counts drifted")
+            emptied = set(p.emptied)
+            if emptied and not self._dirty:
+                bad.append(f"pool {pid}: pages {sorted(emptied)[:5]} emptied but not marked")
             for pg in range(p.num_pages):
                 s = p.state[pg]
                 if pg < p.floor_pages and s != _MAPPED:
                     bad.append(f"pool {pid}: floor page {pg} not mapped")
+                if s == _MAPPED and not count[pg] and pg >= p.floor_pages and pg not in emptied:
+                    bad.append(f"pool {pid}: page {pg} mapped, empty and not to be settled")
                 key = pg * self._npools + p.index
                 if (s == _PENDING) != (key in self._pending):
                     bad.append(f"pool {pid}: page {pg} pending state disagrees")
