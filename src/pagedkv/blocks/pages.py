@@ -508,28 +508,42 @@ class PageLedger:
                 f"step {step} finished but the last launched is {self.launched}")
         if step <= self.finished:
             return
-        if self._dirty:
-            self._settle()
         self.finished = step
         pending = self._pending
-        if not pending:
-            return
-        done = []
-        for key, s in pending.items():  # steps in increasing order: stop at the first later
-            if s > step:
-                break
-            done.append(key)
-        n = self._npools
-        pools = self._pools
-        ids = self._pool_ids
-        unmaps = self._unmaps
-        for key in done:
-            pg, i = divmod(key, n)
-            p = pools[ids[i]]
-            p.state[pg] = _UNMAPPED
-            p.held -= 1
-            unmaps[key] = pending.pop(key)
-        self._held -= len(done)
+        if pending:
+            unmaps = self._unmaps
+            if next(reversed(pending.values())) <= step:  # the usual case: every one
+                done = list(pending)
+                unmaps.update(pending)
+                pending.clear()
+            else:
+                done = []
+                for key, s in pending.items():  # steps increase: stop at the first later
+                    if s > step:
+                        break
+                    done.append(key)
+                for key in done:
+                    unmaps[key] = pending.pop(key)
+            n = self._npools
+            if n == 1:
+                p = self._pools[self._pool_ids[0]]
+                state = p.state
+                for pg in done:
+                    state[pg] = _UNMAPPED
+                p.held -= len(done)
+            else:
+                pools, ids = self._pools, self._pool_ids
+                for key in done:
+                    pg, i = divmod(key, n)
+                    p = pools[ids[i]]
+                    p.state[pg] = _UNMAPPED
+                    p.held -= 1
+            self._held -= len(done)
+        # pages emptied since the last settle: released while ``launched`` was in flight,
+        # they go where the pending pages above went (straight to an unmap if that step is
+        # finished now), after them, as if they had been pending since their release
+        if self._dirty:
+            self._settle()
 
     def drain(self) -> list[PageOp]:
         """The ops to apply now, between steps, in order: unmaps (their step finished;
