@@ -366,13 +366,17 @@ class PageLedger:
             if lo != ((b + 1) * p.bb - 1) // pb:  # straddles pages: the general loop
                 self._use_checked(p, pool_id, (b,))
                 return True
-        if p.block_used[b]:
+        used = p.block_used
+        if used[b]:
             raise CacheCorruptedError(f"pool {pool_id}: block {b} used twice")
-        p.block_used[b] = 1
-        c = p.count[lo]
-        p.count[lo] = c + 1
+        used[b] = 1
+        count = p.count
+        c = count[lo]
+        count[lo] = c + 1
+        if c:  # the page holds data: the decode step's usual case
+            return True
         state = p.state
-        if c or state[lo] == _MAPPED:  # holds data, a floor page, or emptied (not settled)
+        if state[lo] == _MAPPED:  # a floor page, or emptied since the last settle
             return True
         key = lo * self._npools + p.index
         if state[lo] == _PENDING:
