@@ -214,3 +214,29 @@ def test_check_catches_a_corrupted_count():
     led._pools[0].count[3] = 0  # simulate a lost update
     with pytest.raises(CacheCorruptedError, match="drifted"):
         led.check()
+
+
+def test_a_block_freed_and_taken_again_before_any_query_leaves_no_trace():
+    led = ledger()
+    led.use(0, [4, 6])  # pages 3 and 4 (block 6: bytes 18..20 -> pages 4, 5)
+    assert led.drain() == [MapOp(0, 3), MapOp(0, 4), MapOp(0, 5)]
+    led.step_launched(0)
+    led.release(0, [4, 6])
+    led.check()  # emptied pages wait, still mapped, for the next query to settle them
+    led.try_use_one(0, 4)  # page 3 again: pages 4 and 5 stay empty
+    led.check()
+    assert led.pending_bytes() == 8 and led.mapped_bytes() == 12
+    led.step_finished(0)
+    assert led.drain() == [UnmapOp(0, 4, 0), UnmapOp(0, 5, 0)]
+    assert led.mapped_bytes() == 4 and led.is_mapped(0, 4) and not led.is_mapped(0, 6)
+    led.check()
+
+
+def test_check_catches_an_emptied_page_nobody_will_settle():
+    led = ledger()
+    led.use(0, [4])
+    led.drain()
+    led.release(0, [4])
+    led._pools[0].emptied.clear()  # simulate a lost note: page 3 would stay mapped forever
+    with pytest.raises(CacheCorruptedError, match="mapped, empty and not to be settled"):
+        led.check()
