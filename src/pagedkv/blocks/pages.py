@@ -22,9 +22,9 @@ map never waits for creation; those come out of the free bytes, never on top of 
 
 A release only moves counts: a page left empty is noted on a per-pool list and its fate
 (pending, dropped, unmap) is decided by :meth:`_settle` on the ledger's next call other than
-``use`` / ``try_use_one`` / ``release`` -- by then a decode step has usually taken the page
-again (a LIFO free list hands freed blocks straight back), so most emptied pages never touch
-the op queues. Every answer is the one settling at once would give; only the order of ops
+``use`` / ``try_use_one`` / ``release`` -- by then the manager has often used the page again
+(a free list hands freed blocks straight back to admissions and decode steps), and such a
+page never touches the op queues. Every answer is the one settling at once would give; only the order of ops
 of one kind within a drain may differ.
 
 Standard library only; the ledger holds no memory, it only decides. Cost: O(pages a block
