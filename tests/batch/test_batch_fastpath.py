@@ -239,3 +239,35 @@ def test_append_each_equals_append_blocks_and_refuses_bad_input():
     assert many.blocks("a", 1) == (3, 10)  # a refused call changes no group
     with pytest.raises(InvalidArgumentError, match="'zz' is not in the builder"):
         many.append_each(["zz"], {0: [11]})
+
+
+def test_refilled_buffers_rewrite_what_changes_with_rows_tokens_or_kind():
+    """A step skips rewriting padding rows and decode query starts when its host buffer was
+    last filled for the same shape, row count, token count and kind (StepBuffers.refill);
+    a step that changes any of them, e.g. 3 token rows that are not 3 decodes, rewrites
+    them."""
+    gs = [make_group(0, 2, num_blocks=100), make_group(1, 4, offset=1, num_blocks=100)]
+    pm = PersistentMetadata(gs, max_blocks=4, batch_buckets=[4], token_buckets=[4], device="cpu")
+    blocks = {"a": {0: [1, 2, 3], 1: [11, 12]}, "b": {0: [4, 5, 6], 1: [13, 14]},
+              "c": {0: [7, 8, 9], 1: [15, 16]}}
+    for rid, ids in blocks.items():
+        pm.add(rid, ids)
+    abc = ["a", "b", "c"]
+    steps = [
+        (abc, [3, 2, 1], [1, 1, 1]),
+        (abc, [4, 3, 2], [1, 1, 1]),  # the same key: refilled
+        (abc, [2, 2, 1], [2, 0, 1]),  # 3 token rows, not a decode step
+        (["a", "b"], [2, 2], [2, 1]),  # 3 token rows again, one request fewer
+        (abc, [2, 2, 1], [2, 0, 1]),
+        (abc, [1, 2, 1], [2, 0, 0]),  # the same requests, one token row fewer
+        (abc, [2, 2, 1], [2, 0, 1]),  # then a decode step of as many rows and tokens
+        (abc, [3, 2, 1], [1, 1, 1]),
+        (["a", "b"], [3, 2], [1, 1]),  # one row fewer: more padding
+        (["c", "a", "b"], [1, 3, 2], [1, 1, 1]),
+        (["c", "a", "b"], [2, 4, 3], [1, 1, 1]),
+    ]
+    for ids, computed, new in steps:
+        got = pm.step(ids, computed, new)
+        reqs = [ScheduledRequest(r, c, q, blocks[r])
+                for r, c, q in zip(ids, computed, new, strict=True)]
+        assert_same(got, build_metadata(reqs, gs, pad_batch_to=4, pad_tokens_to=4, max_blocks=4))

@@ -112,12 +112,14 @@ class Layout:
 class _Shape:
     """One cached shape: its layout, numpy views per host buffer, torch views of the device."""
 
-    __slots__ = ("device", "host", "layout")
+    __slots__ = ("device", "host", "layout", "pages")
 
     def __init__(self, layout: Layout, hosts: list[np.ndarray], device: torch.Tensor) -> None:
         self.layout = layout
         self.host = [layout.numpy_views(raw) for raw in hosts]
         self.device = layout.torch_views(device)
+        # each group's last page-list view and its length: nnz often repeats between steps
+        self.pages: list[tuple[int, torch.Tensor] | None] = [None] * len(layout.widths)
 
 
 class StepBuffers:
@@ -137,6 +139,7 @@ class StepBuffers:
         self._pending: list[bool] = []
         self._turn = 0
         self._shapes: dict[tuple[int, int, tuple[int, ...]], _Shape] = {}
+        self._filled: list[object] = []
         self._allocate(max(capacity or 0, 64))
 
     @property
@@ -154,6 +157,7 @@ class StepBuffers:
         )
         self._events = [torch.cuda.Event() for _ in range(ring)] if self._cuda else []
         self._pending = [False] * ring
+        self._filled = [None] * ring  # per host buffer: the key of its last complete fill
         self._turn = 0
         self._nbytes = nbytes
         self._shapes = {}
@@ -187,6 +191,19 @@ class StepBuffers:
             self._pending[self._turn] = False
         return entry.host[self._turn]
 
+    def refill(self, key: object) -> bool:
+        """Whether this step's host buffer was last completely filled under ``key`` (then
+        whatever that fill wrote that depends on the key alone, e.g. padding rows, is still
+        there). Forgets the key until :meth:`filled` is called, so a step that fails half
+        way leaves nothing to trust."""
+        same = key is not None and self._filled[self._turn] == key
+        self._filled[self._turn] = None
+        return same
+
+    def filled(self, key: object) -> None:
+        """This step's host buffer now holds a complete fill under ``key``."""
+        self._filled[self._turn] = key
+
     def send(
         self, entry: _Shape, nnz: list[int]
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], list[torch.Tensor]]:
@@ -203,5 +220,11 @@ class StepBuffers:
                 self._pending[self._turn] = True
                 self._turn ^= 1
         qsl, groups = entry.device
-        pages = [views["paged_kv_indices"][:count] for views, count in zip(groups, nnz, strict=True)]
+        cache = entry.pages
+        pages = []
+        for i, count in enumerate(nnz):
+            last = cache[i]
+            if last is None or last[0] != count:
+                last = cache[i] = (count, groups[i]["paged_kv_indices"][:count])
+            pages.append(last[1])
         return qsl, groups, pages

@@ -33,13 +33,16 @@ def fill_derived(
     computed: np.ndarray,
     row_req: np.ndarray | None,
     row_in_req: np.ndarray | None,
+    fresh: bool = True,
 ) -> int:
     """Write seq_lens, last-page lengths, CSR pages, slots and positions of the ``n`` real
     rows (``len(seq_lens)``) and zero/-1 the padding; ``arrays["block_table"]`` is filled
     and ``arrays["paged_kv_indices"]`` holds at least ``pages.sum()`` entries (its first
     ones are written). Returns that count (nnz).
     Token row t belongs to request ``row_req[t]`` and is its ``row_in_req[t]``-th new token;
-    both None: one token row per request (a pure decode step)."""
+    both None: one token row per request (a pure decode step). ``fresh=False``: the arrays
+    were last filled for a step of the same shape, row count and kind, so what depends on
+    those alone (``indptr[0]``, padding rows but the indptr tail) is already written."""
     bs, n = group.block_size, seq_lens.shape[0]
     offset = group.position_offset
     decode = row_req is None or row_in_req is None
@@ -49,7 +52,8 @@ def fill_derived(
     last = arrays["paged_kv_last_page_len"]
     indptr = arrays["paged_kv_indptr"]
     seq[:n] = seq_lens
-    indptr[0] = 0
+    if fresh:
+        indptr[0] = 0
     indptr[1 : n + 1] = np.add.accumulate(pages)  # (cumsum with an int32 out= is slower)
     nnz = int(indptr[n])
     # seq - (pages - 1) * bs; 0 on an empty row, which a decode step without offset has not
@@ -61,8 +65,9 @@ def fill_derived(
         tail += bs
         np.minimum(seq_lens, tail, out=last[:n], casting="unsafe")
     if seq.shape[0] > n:  # padding rows
-        seq[n:] = 0
-        last[n:] = 0
+        if fresh:
+            seq[n:] = 0
+            last[n:] = 0
         indptr[n + 1 :] = nnz
     if nnz:
         used = width
@@ -86,7 +91,7 @@ def fill_derived(
         m = row_req.shape[0]  # type: ignore[union-attr]
         pos = computed[row_req] + row_in_req - offset
         base = row_req * width
-    if slots.shape[0] > m:  # padding token rows
+    if fresh and slots.shape[0] > m:  # padding token rows
         slots[m:] = -1
         positions[m:] = 0
     if m == 0:

@@ -25,11 +25,13 @@ from pagedkv.batch.builder import _check_groups, _padded
 from pagedkv.batch.checked import checked_mode, validate_group_arrays
 from pagedkv.batch.derived import fill_derived, row_starts
 from pagedkv.batch.inputs import ScheduledRequest
-from pagedkv.batch.metadata import GroupMetadata, StepMetadata
+from pagedkv.batch.metadata import StepMetadata, group_metadata
 from pagedkv.errors import InvalidArgumentError, MetadataError
 from pagedkv.plan.types import Group
 
 _INT32_MAX = 2**31 - 1
+# ufunc reductions called directly: the ndarray methods add a Python-level wrapper per call
+_sum, _min, _max, _any = np.add.reduce, np.minimum.reduce, np.maximum.reduce, np.logical_or.reduce
 
 
 class _Table:
@@ -121,6 +123,12 @@ class MetadataBuilder:
         self._last_rows = np.zeros(0, dtype=np.intp)
         self._free = list(range(rows - 1, -1, -1))
         self._buffers = StepBuffers(self.device)
+        # each group's GroupMetadata fields that never change between steps
+        self._constant = {
+            g.id: {"group_id": g.id, "block_size": g.block_size,
+                   "position_offset": g.position_offset, "layer_names": g.layer_names}
+            for g in self.groups
+        }
 
     # -- request lifecycle ---------------------------------------------------------------
     def __contains__(self, req_id: object) -> bool:
@@ -305,7 +313,7 @@ class MetadataBuilder:
         rows = self._lookup(ids)
         computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
         new, shortest = self._counts("num_new_tokens", num_new_tokens, n)
-        num_tokens = int(new.sum())
+        num_tokens = int(_sum(new))
         # one token row per request: no per-token index arrays (the decode fast path)
         decode = num_tokens == n and (n == 0 or shortest == 1)
         if num_draft_tokens is None:
@@ -332,31 +340,38 @@ class MetadataBuilder:
         entry = self._buffers.shape(batch, tokens, widths)
         qsl, hosts = self._buffers.host(entry)
 
+        check = self.checked if checked is None else checked
+        key = (entry, n, num_tokens, decode)
+        fresh = not self._buffers.refill(key) or check
         if decode:
-            qsl[: n + 1] = row_starts(n + 1, 1)  # 0, 1, ..., n
+            if fresh:
+                qsl[: n + 1] = row_starts(n + 1, 1)  # 0, 1, ..., n
+                if batch > n:
+                    qsl[n + 1 :] = num_tokens
             row_req = row_in_req = None
         else:
             qsl[0] = 0
             qsl[1 : n + 1] = np.add.accumulate(new)
             row_req = np.repeat(np.arange(n), new)
             row_in_req = np.arange(num_tokens) - qsl[row_req]
-        if batch > n:
-            qsl[n + 1 :] = num_tokens
-        check = self.checked if checked is None else checked
+            if batch > n:
+                qsl[n + 1 :] = num_tokens
         reqs = self._requests(ids, computed, new, drafts) if check else None
         nnz = []
         for table, (width, seq_lens, pages), host in zip(tables, plans, hosts, strict=True):
             src = table.ids if width == table.ids.shape[1] else table.ids[:, :width]
             block_table = host["block_table"]
             src.take(rows, 0, block_table[:n], "clip")  # rows are in range
-            if n < batch:
+            if fresh and n < batch:
                 block_table[n:] = 0
-            count = fill_derived(host, table.group, seq_lens, pages, computed, row_req, row_in_req)
+            count = fill_derived(host, table.group, seq_lens, pages, computed, row_req, row_in_req,
+                                 fresh)
             nnz.append(count)
             if reqs is not None:
                 arrays = dict(host, query_start_loc=qsl)
                 arrays["paged_kv_indices"] = arrays["paged_kv_indices"][:count]
                 validate_group_arrays(arrays, table.group, reqs, num_tokens)
+        self._buffers.filled(key)
 
         qsl_dev, views, page_lists = self._buffers.send(entry, nnz)
         if decode:
@@ -364,35 +379,31 @@ class MetadataBuilder:
         else:
             query_lens = tuple(new.tolist())
             bounds = (min(query_lens, default=0), max(query_lens, default=0))
+        step_fields = {
+            "num_reqs": n,
+            "num_tokens": num_tokens,
+            "query_start_loc": qsl_dev,
+            "req_ids": ids,
+            "query_lens_host": query_lens,
+            "num_draft_tokens_host": drafts,
+            "query_len_bounds": bounds,
+        }
         out = {}
-        seq_host: dict[int, tuple[tuple[int, ...], int]] = {}  # one offset, one set of lengths
+        seq_host: dict[int, dict[str, object]] = {}  # one offset, one set of lengths
         for table, (_, seq_lens, _), dev, page_list in zip(tables, plans, views, page_lists,
                                                             strict=True):
             group = table.group
             k = group.position_offset
-            if k not in seq_host:
-                seq_host[k] = (tuple(seq_lens.tolist()), int(seq_lens.max(initial=0)))
-            out[group.id] = GroupMetadata(
-                group_id=group.id,
-                block_size=group.block_size,
-                position_offset=k,
-                layer_names=group.layer_names,
-                num_reqs=n,
-                num_tokens=num_tokens,
-                block_table=dev["block_table"],
-                slot_mapping=dev["slot_mapping"],
-                query_start_loc=qsl_dev,
-                seq_lens=dev["seq_lens"],
-                positions=dev["positions"],
-                paged_kv_indptr=dev["paged_kv_indptr"],
-                paged_kv_indices=page_list,
-                paged_kv_last_page_len=dev["paged_kv_last_page_len"],
-                req_ids=ids,
-                query_lens_host=query_lens,
-                seq_lens_host=seq_host[k][0],
-                num_draft_tokens_host=drafts,
-                query_len_bounds=bounds,
-                max_seq_len_host=seq_host[k][1],
+            lengths = seq_host.get(k)
+            if lengths is None:
+                lengths = seq_host[k] = {
+                    "seq_lens_host": tuple(seq_lens.tolist()),
+                    "max_seq_len_host": int(_max(seq_lens, initial=0)),
+                }
+            out[group.id] = group_metadata(
+                (self._constant[group.id], step_fields, dev, lengths,
+                 {"paged_kv_indices": page_list}),
+                checked=check,
             )
         return StepMetadata(out)
 
@@ -405,7 +416,7 @@ class MetadataBuilder:
             arr = np.asarray(values, dtype=np.int64).reshape(-1)
         if arr.shape[0] != n:
             raise InvalidArgumentError(f"{name} has {arr.shape[0]} entries for {n} requests")
-        least = int(arr.min()) if n else 0
+        least = int(_min(arr)) if n else 0
         if least < 0:
             raise InvalidArgumentError(f"{name} must be >= 0, got {least}")
         return arr, least
@@ -419,17 +430,17 @@ class MetadataBuilder:
         pages = (seq_lens + (bs - 1)) // bs
         lens = table.lens[rows]
         short = lens < pages
-        if short.any():
+        if _any(short):
             i = int(np.argmax(short))
             raise MetadataError(
                 f"group {group.id}: request {req_ids[i]!r} (row {i}) needs {int(pages[i])} "
                 f"blocks of {bs} for {int(seq_lens[i])} positions but has {int(lens[i])} allocated"
             )
         if max_blocks is None:
-            width = int(lens.max(initial=0))
+            width = int(_max(lens, initial=0))
         else:
             width = max_blocks
-            need = int(pages.max(initial=0))
+            need = int(_max(pages, initial=0))
             if width < need:
                 raise InvalidArgumentError(
                     f"group {group.id}: max_blocks={width} but a request reads {need} blocks"

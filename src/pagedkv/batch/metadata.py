@@ -108,3 +108,22 @@ class StepMetadata(Mapping[int, GroupMetadata]):
 
     def __len__(self) -> int:
         return len(self.groups)
+
+
+def group_metadata(parts: tuple[Mapping[str, object], ...], *, checked: bool) -> GroupMetadata:
+    """A GroupMetadata from field mappings merged in order (later ones win).
+
+    Unchecked: the instance dict is filled directly, skipping the generated frozen
+    ``__init__`` (one ``object.__setattr__`` per field: most of the cost on the decode fast
+    path); the caller passes exactly the fields. Checked: the real constructor, which
+    rejects a missing or unknown field."""
+    if checked:
+        merged: dict[str, object] = {}
+        for part in parts:
+            merged.update(part)
+        return GroupMetadata(**merged)  # type: ignore[arg-type]
+    meta = object.__new__(GroupMetadata)
+    d = meta.__dict__
+    for part in parts:
+        d.update(part)
+    return meta
