@@ -15,9 +15,16 @@ runs+=("--tiny deepseek-v3 --draft mtp --spec-tokens 3 --prompts 3 --max-new-tok
 runs+=("--tiny deepseek-v3 --draft dspark --spec-tokens 3 --prompts 3 --max-new-tokens 8")
 runs+=("--tiny llama-3-8b --draft eagle3 --spec-tokens 3 --prompts 3 --max-new-tokens 8")
 runs+=("--tiny qwen3-next-80b --draft scripted --spec-tokens 3 --prompts 3 --max-new-tokens 8")
+# prefix-cache hits (prompts of 40 tokens share blocks) with each drafter and with Kimi-K3
+runs+=("--tiny deepseek-v3 --draft mtp --spec-tokens 3 --prompts 4 --prompt-len 40 --max-new-tokens 8")
+runs+=("--tiny llama-3-8b --draft eagle3 --spec-tokens 3 --prompts 4 --prompt-len 40 --max-new-tokens 8")
+runs+=("--tiny kimi-k3 --draft dspark --spec-tokens 3 --prompts 4 --prompt-len 40 --max-new-tokens 8")
 printf '%s\n' "${runs[@]}" | xargs -P "$JOBS" -I{} sh -c \
-  "python3 -m pagedkv generate {} --device $DEVICE --verify --json > \"\$(mktemp -p '$OUT_DIR' run.XXXXXX)\" 2>&1; true"
-for f in "$OUT_DIR"/run.*; do tr -d '\n' < "$f"; echo; done > "$OUT_DIR/engine.jsonl"
+  "f=\$(mktemp -p '$OUT_DIR' run.XXXXXX); echo '{}' > \$f.args; python3 -m pagedkv generate {} --device $DEVICE --verify --json > \$f 2> \$f.err; true"
+# one line per run: its JSON, or FAILED with its arguments and last stderr line
+for f in "$OUT_DIR"/run.??????; do
+  if [ -s "$f" ]; then tr -d '\n' < "$f"; else echo "FAILED $(cat "$f.args"): $(tail -1 "$f.err")"; fi; echo
+done > "$OUT_DIR/engine.jsonl"
 rm -f "$OUT_DIR"/run.*
 python3 - "$OUT_DIR/engine.jsonl" <<'PY'
 import json, sys
@@ -28,5 +35,6 @@ for line in open(sys.argv[1]):
         print("FAILED:", line[:400]); continue
     print(d.get("architecture"), d.get("dtype"), d.get("draft", "-"), "match", d.get("match"),
           "max_abs_logit_diff %.3g" % d.get("max_abs_logit_diff", float("nan")),
-          "lossless", d.get("lossless", "-"), "tokens", d.get("tokens_generated"))
+          "lossless", d.get("lossless", "-"), "tokens", d.get("tokens_generated"),
+          "prefix_hit_rate", d.get("prefix_hit_rate"))
 PY
