@@ -23,7 +23,7 @@ printf '%s\n' "${runs[@]}" | xargs -P "$JOBS" -I{} sh -c \
   "f=\$(mktemp -p '$OUT_DIR' run.XXXXXX); echo '{}' > \$f.args; python3 -m pagedkv generate {} --device $DEVICE --verify --json > \$f 2> \$f.err; true"
 # one line per run: its JSON, or FAILED with its arguments and last stderr line
 for f in "$OUT_DIR"/run.??????; do
-  if [ -s "$f" ]; then tr -d '\n' < "$f"; else echo "FAILED $(cat "$f.args"): $(tail -1 "$f.err")"; fi; echo
+  if [ -s "$f" ]; then tr -d '\n' < "$f"; else printf "FAILED %s: %s" "$(cat "$f.args")" "$(tail -1 "$f.err")"; fi; echo
 done > "$OUT_DIR/engine.jsonl"
 rm -f "$OUT_DIR"/run.*
 python3 - "$OUT_DIR/engine.jsonl" <<'PY'
