@@ -17,6 +17,12 @@ One step, as the runner drives it (``pagedkv.engine``):
 5. ``logits = model.compute_logits(hidden[rows])`` for the rows that are sampled (or all
    rows, when logits are checked).
 
+Within a step, each attention layer writes the K/V (or latent) of *every* request's rows
+before any request of the step attends in that layer (write the whole batch, then attend):
+the block manager relies on it when one request of a step hits whole blocks that another
+request of the same step fills (docs/blocks.md, "unwritten" blocks). Drafters that write
+their own rows keep the same order.
+
 A model never allocates, frees or zeroes cache memory, never reads a page it was not given
 (fresh pages hold NaN in the tests), and takes its attention mask from its layers'
 :class:`~pagedkv.kvspec.LayerSpec` (``ctx.attend``), so the block manager's retention and
