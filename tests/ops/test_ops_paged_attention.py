@@ -279,10 +279,12 @@ def test_sequence_with_no_position_yet_outputs_zeros_even_with_sinks(ops_backend
     torch.testing.assert_close(got.cpu().double(), reference(sc, Mask(), scale=8**-0.5, sinks=sinks))
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_triton_launch_overrides_and_no_host_read_path(splits, ops_backend):
+@pytest.mark.parametrize("splits,swap,fused", [(1, False, None), (3, False, False),
+                                                (3, True, True), (1, True, None)])
+def test_triton_launch_overrides_and_no_host_read_path(splits, swap, fused, ops_backend):
     # the decode kernel with one split writes the output itself (sinks, padding rows), with
-    # several it goes through the combine; bounds given = no host validation or flag read
+    # several the last split merges them (fused) or the combine launch does; swap = keys on
+    # the MMA's M side; bounds given = no host validation or flag read
     if ops_backend != "triton":
         pytest.skip("launch overrides exist on the triton backend only")
     from pagedkv.ops.triton.attention import paged_attention as triton_attention
@@ -294,7 +296,7 @@ def test_triton_launch_overrides_and_no_host_read_path(splits, ops_backend):
     sc.q[-PAD_ROWS:] = float("nan")  # padding rows are never read
     got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
                            mask=mask, soft_cap=3.0, sinks=sinks, max_query_len=3,
-                           max_seq_len=70, splits=splits, block_n=16)
+                           max_seq_len=70, splits=splits, block_n=16, swap=swap, fused=fused)
     want = reference(sc, mask, scale=8**-0.5, soft_cap=3.0, sinks=sinks)
     torch.testing.assert_close(got.cpu().double(), want, **EXACT["triton"])
     assert bool((got[-PAD_ROWS:] == 0).all())

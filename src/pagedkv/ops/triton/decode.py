@@ -22,14 +22,75 @@ import triton.language as tl
 
 from pagedkv.ops.fp8 import is_fp8
 from pagedkv.ops.triton.combine import combine, workspace
-from pagedkv.ops.triton.common import interpreting, next_pow2, scale_vector
+from pagedkv.ops.triton.common import capturing, interpreting, next_pow2, scale_vector
 from pagedkv.ops.triton.rows import row_extents, soft_cap_scores
+
+
+@triton.jit
+def _load_v(v_ptrs, kin, dv, dt, DV: tl.constexpr, BLOCK_DV: tl.constexpr, F32: tl.constexpr,
+            FP8: tl.constexpr):
+    """One V tile [BLOCK_N, BLOCK_DV] in the dot's dtype (fp8 widened to fp16, exact)."""
+    if BLOCK_DV == DV:
+        v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=kin[:, None] & (dv[None, :] < DV), other=0.0)
+    if F32:
+        v = v.to(tl.float32)
+    elif FP8:
+        v = v.to(tl.float16)
+    else:
+        v = v.to(dt)
+    return v
+
+
+@triton.jit
+def _merge_splits(ws_o, ws_m, ws_l, out_ptr, sinks_ptr, q_start, row, qh, rmask,
+                  stride_ot, stride_oh, heads, num_splits, DV: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The last split of a (sequence, KV head) to finish merges every split's (m, l, o),
+    32 output columns at a time (a whole [rows, DV] float32 tile of pointers and values would
+    raise the kernel's register count, its main loop's included)."""
+    CH: tl.constexpr = 32 if BLOCK_DV >= 32 else BLOCK_DV
+    rbase = ((q_start + row).to(tl.int64) * heads + qh) * num_splits
+    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for sp in tl.range(0, num_splits, num_stages=1):
+        m = tl.load(ws_m + rbase + sp, mask=rmask, other=float("-inf"), cache_modifier=".cg")
+        ls = tl.load(ws_l + rbase + sp, mask=rmask, other=0.0, cache_modifier=".cg")
+        m_top = tl.maximum(mx, m)
+        m_use = tl.where(m_top == float("-inf"), 0.0, m_top)
+        denom = denom * tl.exp2(mx - m_use) + ls * tl.exp2(m - m_use)
+        mx = m_top
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + qh, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        seen = denom > 0
+        m_top = tl.maximum(mx, sink)
+        m_use = tl.where(m_top == float("-inf"), 0.0, m_top)
+        denom = denom * tl.exp2(tl.where(mx == float("-inf"), m_use, mx) - m_use) \
+            + tl.exp2(sink - m_use)
+        mx = m_top
+    else:
+        seen = denom > 0
+    m_use = tl.where(mx == float("-inf"), 0.0, mx)
+    inv = tl.where(seen, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+    obase = out_ptr + (q_start + row).to(tl.int64) * stride_ot + qh * stride_oh
+    for c0 in tl.static_range(0, BLOCK_DV, CH):
+        c = c0 + tl.arange(0, CH)
+        cmask = rmask[:, None] & (c[None, :] < DV)
+        o = tl.zeros([BLOCK_M, CH], dtype=tl.float32)
+        for sp in tl.range(0, num_splits, num_stages=1):
+            w = tl.exp2(tl.load(ws_m + rbase + sp, mask=rmask, other=float("-inf"),
+                                cache_modifier=".cg") - m_use)
+            o += tl.load(ws_o + (rbase + sp)[:, None] * DV + c[None, :], mask=cmask, other=0.0,
+                         cache_modifier=".cg") * w[:, None]
+        tl.store(obase[:, None] + c[None, :], (o * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=cmask)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "batch", "rows", "num_splits"])
 def _paged_decode_fwd(
     q_ptr, k_ptr, v_ptr, qsl_ptr, lens_ptr, table_ptr, out_ptr, ws_o, ws_m, ws_l,
-    scales_ptr, sinks_ptr, flag_ptr,
+    scales_ptr, sinks_ptr, flag_ptr, count_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_tb, stride_ot, stride_oh, num_blocks, batch, rows, heads, scale, k_scale_f,
     v_scale_f, cap, window, chunk, draft, num_splits,
@@ -38,18 +99,19 @@ def _paged_decode_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr,
-    CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
+    CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr,
+    FUSED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     dv = tl.arange(0, BLOCK_DV)
-    if b == batch:  # direct output only: zero the padding rows past the batch's last row
+    if b == batch:  # direct or fused output: zero the padding rows past the batch's last row
         total = tl.load(qsl_ptr + batch)
         hh = tl.arange(0, BLOCK_M)
         hmask = (hh < GROUP)[:, None] & (dv < DV)[None, :]
         zeros = tl.zeros([BLOCK_M, BLOCK_DV], dtype=out_ptr.dtype.element_ty)
-        for i in range(0, rows - total):
+        for i in range(0, tl.where(split == 0, rows - total, 0)):
             tl.store(out_ptr + (total + i).to(tl.int64) * stride_ot + (kvh * GROUP + hh)[:, None] * stride_oh
                      + dv[None, :], zeros, mask=hmask)
         return
@@ -73,9 +135,14 @@ def _paged_decode_fwd(
 
     d = tl.arange(0, BLOCK_D)
     rmask = row < q_len
-    q = tl.load(q_ptr + (q_start + row)[:, None].to(tl.int64) * stride_qt
-                + qh[:, None] * stride_qh + d[None, :],
-                mask=rmask[:, None] & (d[None, :] < D), other=0.0)
+    if SWAP:  # queries transposed [BLOCK_D, BLOCK_M]: keys go on the MMA's M side
+        q = tl.load(q_ptr + (q_start + row)[None, :].to(tl.int64) * stride_qt
+                    + qh[None, :] * stride_qh + d[:, None],
+                    mask=rmask[None, :] & (d[:, None] < D), other=0.0)
+    else:
+        q = tl.load(q_ptr + (q_start + row)[:, None].to(tl.int64) * stride_qt
+                    + qh[:, None] * stride_qh + d[None, :],
+                    mask=rmask[:, None] & (d[None, :] < D), other=0.0)
     if SCALES_IN_MEMORY:
         k_scale = tl.load(scales_ptr)
         v_scale = tl.load(scales_ptr + 1)
@@ -95,7 +162,10 @@ def _paged_decode_fwd(
     t_base = table_ptr + b.to(tl.int64) * stride_tb
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_DV, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(s_lo, s_hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         kin = (keys < s_hi) & (keys >= kv_lo)
@@ -114,35 +184,58 @@ def _paged_decode_fwd(
         else:
             k = tl.load(k_ptrs, mask=kin[:, None] & (d[None, :] < D), other=0.0)
         if F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            k = k.to(tl.float32)
         elif FP8:
-            s = tl.dot(q, tl.trans(k.to(tl.float16)))
+            k = k.to(tl.float16)
         else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            k = k.to(q.dtype)
+        if SWAP:  # s^T = k q^T: [BLOCK_N, BLOCK_M]
+            if F32:
+                s = tl.dot(k, q, input_precision="ieee")
+            else:
+                s = tl.dot(k, q)
+        else:
+            if F32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         if HAS_CAP:
             s = soft_cap_scores(s, cap) * 1.4426950408889634
-        seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & kin[None, :]
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :]
-        if BLOCK_DV == DV:
-            v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
+        if SWAP:
+            seen = (keys[:, None] >= lo[None, :]) & (keys[:, None] < hi[None, :]) & kin[:, None]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[None, :])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            v = _load_v(v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :], kin, dv,
+                        q.dtype, DV, BLOCK_DV, F32, FP8)
+            if F32:  # o^T = v^T p^T: [BLOCK_DV, BLOCK_M]
+                pv = tl.dot(tl.trans(v), p, input_precision="ieee")
+            else:
+                pv = tl.dot(tl.trans(v), p.to(v.dtype))
+            acc = acc * alpha[None, :] + pv
         else:
-            v = tl.load(v_ptrs, mask=kin[:, None] & (dv[None, :] < DV), other=0.0)
-        if F32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        elif FP8:
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
+            seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & kin[None, :]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_v(v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :], kin, dv,
+                        q.dtype, DV, BLOCK_DV, F32, FP8)
+            if F32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if SWAP:
+        acc = tl.trans(acc)
     if DIRECT:  # one split: normalise here
         denom = l_i
         o_scale = v_scale
@@ -164,6 +257,15 @@ def _paged_decode_fwd(
         tl.store(ws_l + base, l_i, mask=rmask)
         tl.store(ws_o + base[:, None] * DV + dv[None, :], acc * v_scale,
                  mask=rmask[:, None] & (dv[None, :] < DV))
+        if FUSED:  # no combine launch: the split that finishes last merges (counter per pair)
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            counter = count_ptr + b * tl.num_programs(1) + kvh
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch
+                _merge_splits(ws_o, ws_m, ws_l, out_ptr, sinks_ptr, q_start, row, qh, rmask,
+                              stride_ot, stride_oh, heads, num_splits, DV, BLOCK_M,
+                              BLOCK_DV, HAS_SINKS)
 
 
 DECODE_ROWS = 64  # at most this many (query row, query head) pairs per KV head take this path
@@ -176,6 +278,9 @@ BF16_CONFIG = (64, 4, 2)
 FP8_CONFIG = (128, 4, 3)
 F32_CONFIG = (32, 4, 2)  # float32 queries: the tests' exact path
 Q7_MAXNREG = 128  # bf16 tiles of 32 rows (7-token draft blocks): 0.90x the time uncapped
+SWAP_Q1 = False  # keys on the MMA's M side for <= 16-row tiles (decode)
+SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
+FUSED_COMBINE = True  # the last split merges the partials (no combine launch)
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
 
@@ -197,6 +302,29 @@ def decode_splits(programs: int, max_seq_len: int, device) -> int:
     return max(1, min(want, most, 64))
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers stay alive: a captured graph may use one
+
+
+def split_counters(pairs: int, device) -> torch.Tensor | None:
+    """Zeroed int32 arrival counters, one per (sequence, KV head), for the fused combine; each
+    launch leaves them zero again. One buffer per device and stream (kernels on two streams
+    never share counters). None inside CUDA-graph capture when the buffer would have to grow
+    (an allocation made during capture belongs to the graph's pool): the caller then combines
+    in a second launch."""
+    stream = 0 if device.type != "cuda" else torch.cuda.current_stream(device).cuda_stream
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < pairs:
+        if capturing():
+            return None
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(pairs, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
     if interpreting():
         return (32, 4, 2)
@@ -206,8 +334,10 @@ def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
 def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
                   scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
                   splits=None, block_n=None, num_warps=None, num_stages=None,
-                  maxnreg=None) -> None:
-    """Run the decode kernel (and the combine when the keys are split) into ``out``."""
+                  maxnreg=None, swap=None, fused=None) -> None:
+    """Run the decode kernel into ``out``. With several splits the last split of each
+    (sequence, KV head) merges them (``fused``, default ``FUSED_COMBINE``) or a second
+    launch does (``combine.py``). ``swap`` puts the keys on the MMA's M side."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     dv = v_cache.shape[-1]
@@ -228,10 +358,16 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
     scales = scale_vector((k_scale, v_scale), q.device) if in_memory else seq_lens
     direct = splits == 1
+    if swap is None:
+        swap = (SWAP_Q7 if block_m == 32 else SWAP_Q1) and not f32
+    counters = None
+    if not direct and (FUSED_COMBINE if fused is None else fused):
+        counters = split_counters(batch * kv_heads, q.device)
     ws = (out, out, out) if direct else workspace(rows, heads, splits, dv, q.device)
-    _paged_decode_fwd[(batch + 1 if direct else batch, kv_heads, splits)](
+    _paged_decode_fwd[(batch + 1 if direct or counters is not None else batch, kv_heads, splits)](
         q, k_cache, v_cache, query_start_loc, seq_lens, table, out, *ws, scales,
         sinks if sinks is not None else seq_lens, flag if flag is not None else seq_lens,
+        counters if counters is not None else seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         out.stride(0), out.stride(1), num_blocks, batch, rows, heads, scale,
@@ -242,8 +378,8 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
         HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
         HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None, SCALES_IN_MEMORY=in_memory,
-        CHECK=flag is not None, F32=f32, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
-        **extra,
+        CHECK=flag is not None, F32=f32, FP8=fp8, SWAP=bool(swap), FUSED=counters is not None,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
-    if not direct:
+    if not direct and counters is None:
         combine(ws, out, query_start_loc, sinks)
