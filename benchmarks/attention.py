@@ -117,14 +117,19 @@ def to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     return (x.float() / s).to(torch.float8_e4m3fn), s
 
 
-# candidates around the defaults (``maxnreg`` caps registers: more programs per SM)
+# candidates around the defaults (``maxnreg`` caps registers: more programs per SM; ``swap``
+# keys on the MMA's M side; ``fused`` the last split merges; ``heads_first`` the grid order);
+# registers and shared memory of each: compiled for sm_90 on the CPU (docs/kernels.md)
 GQA_SMALL_GRIDS = {
-    "gqa": [{}, dict(num_stages=3, maxnreg=128), dict(block_n=128, maxnreg=128),
-            dict(block_n=32, num_stages=3)],
-    "gqa_q7": [{}, dict(maxnreg=128), dict(block_n=32, maxnreg=128), dict(num_warps=8)],
-    "gqa_fp8": [{}, dict(maxnreg=168), dict(num_stages=2, maxnreg=168),
-                dict(block_n=64, num_stages=2, maxnreg=128),
-                dict(block_n=256, num_warps=8, num_stages=3, maxnreg=128)],
+    "gqa": [{}, dict(heads_first=False), dict(fused=False, heads_first=False), dict(fused=False),
+            dict(swap=True), dict(swap=True, block_n=32), dict(swap=True, block_n=32, num_stages=3),
+            dict(swap=True, block_n=32, maxnreg=96)],
+    "gqa_q7": [{}, dict(heads_first=False), dict(swap=True), dict(swap=True, block_n=32),
+               dict(swap=True, block_n=32, num_stages=3), dict(swap=True, block_n=32, num_warps=8),
+               dict(swap=True, maxnreg=128)],
+    "gqa_fp8": [{}, dict(heads_first=False), dict(block_n=128, num_warps=8, num_stages=2),
+                dict(swap=True, block_n=64, num_stages=2), dict(swap=True, block_n=64, num_stages=3),
+                dict(swap=True, block_n=128, num_warps=8, num_stages=2)],
 }
 
 
@@ -452,6 +457,8 @@ def main(argv=None) -> int:
             gqa_sweep(64, 4096, small=True)
             gqa_sweep(64, 4096, q_len=7, small=True)
             gqa_sweep(64, 8192, fp8=True, small=True)
+            for b, c in ((64, 1024), (256, 1024)):
+                gqa_sweep(b, c, splits_only=True)
         if args.sweep == "full":
             gqa_sweep(64, 4096)
             gqa_sweep(64, 8192, fp8=True)

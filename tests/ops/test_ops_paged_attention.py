@@ -279,9 +279,11 @@ def test_sequence_with_no_position_yet_outputs_zeros_even_with_sinks(ops_backend
     torch.testing.assert_close(got.cpu().double(), reference(sc, Mask(), scale=8**-0.5, sinks=sinks))
 
 
-@pytest.mark.parametrize("splits,swap,fused", [(1, False, None), (3, False, False),
-                                                (3, True, True), (1, True, None)])
-def test_triton_launch_overrides_and_no_host_read_path(splits, swap, fused, ops_backend):
+@pytest.mark.parametrize("splits,swap,fused,heads_first", [
+    (1, False, None, True), (3, False, False, False), (3, True, True, True), (1, True, None, False),
+    (3, False, True, False)])
+def test_triton_launch_overrides_and_no_host_read_path(splits, swap, fused, heads_first,
+                                                       ops_backend):
     # the decode kernel with one split writes the output itself (sinks, padding rows), with
     # several the last split merges them (fused) or the combine launch does; swap = keys on
     # the MMA's M side; bounds given = no host validation or flag read
@@ -296,7 +298,8 @@ def test_triton_launch_overrides_and_no_host_read_path(splits, swap, fused, ops_
     sc.q[-PAD_ROWS:] = float("nan")  # padding rows are never read
     got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
                            mask=mask, soft_cap=3.0, sinks=sinks, max_query_len=3,
-                           max_seq_len=70, splits=splits, block_n=16, swap=swap, fused=fused)
+                           max_seq_len=70, splits=splits, block_n=16, swap=swap, fused=fused,
+                           heads_first=heads_first)
     want = reference(sc, mask, scale=8**-0.5, soft_cap=3.0, sinks=sinks)
     torch.testing.assert_close(got.cpu().double(), want, **EXACT["triton"])
     assert bool((got[-PAD_ROWS:] == 0).all())

@@ -171,6 +171,7 @@ def paged_attention(
     maxnreg: int | None = None,
     swap: bool | None = None,
     fused: bool | None = None,
+    heads_first: bool | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq, Dv]; see ``pagedkv.ops.paged_attention``.
 
@@ -182,7 +183,7 @@ def paged_attention(
     ``splits``, ``block_n``, ``num_warps`` and ``num_stages`` override the launch
     configuration, ``maxnreg`` caps registers per thread on the decode path, ``swap`` (keys
     on the MMA's M side) and ``fused`` (the last split merges, no combine launch) pick decode
-    kernel variants (benchmarks/attention.py sweeps them).
+    kernel variants, ``heads_first`` the grid order (benchmarks/attention.py sweeps them).
     """
     del compute_dtype  # the kernel accumulates in float32
     check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
@@ -218,7 +219,8 @@ def paged_attention(
                       mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=ks,
                       v_scale=vs, max_query_len=max_query_len, max_seq_len=max_seq_len,
                       f32=f32, splits=splits, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, maxnreg=maxnreg, swap=swap, fused=fused)
+                      num_stages=num_stages, maxnreg=maxnreg, swap=swap, fused=fused,
+                      heads_first=heads_first)
         if check:
             raise_on_bad_block(flag, num_blocks)
         return out

@@ -100,10 +100,16 @@ def _paged_decode_fwd(
     HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr,
     CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # neighbouring programs read the KV heads of the same pages
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        kv_heads = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     dv = tl.arange(0, BLOCK_DV)
     if b == batch:  # direct or fused output: zero the padding rows past the batch's last row
@@ -259,7 +265,7 @@ def _paged_decode_fwd(
                  mask=rmask[:, None] & (dv[None, :] < DV))
         if FUSED:  # no combine launch: the split that finishes last merges (counter per pair)
             tl.debug_barrier()  # every thread's partial stores precede the release below
-            counter = count_ptr + b * tl.num_programs(1) + kvh
+            counter = count_ptr + b * kv_heads + kvh
             ticket = tl.atomic_add(counter, 1, sem="acq_rel")
             if ticket == num_splits - 1:
                 tl.atomic_xchg(counter, 0)  # zero again for the next launch
@@ -281,6 +287,7 @@ Q7_MAXNREG = 128  # bf16 tiles of 32 rows (7-token draft blocks): 0.90x the time
 SWAP_Q1 = False  # keys on the MMA's M side for <= 16-row tiles (decode)
 SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
 FUSED_COMBINE = True  # the last split merges the partials (no combine launch)
+HEADS_FIRST = True  # grid order: KV heads of the same pages in neighbouring programs
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
 
@@ -334,10 +341,11 @@ def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
 def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
                   scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
                   splits=None, block_n=None, num_warps=None, num_stages=None,
-                  maxnreg=None, swap=None, fused=None) -> None:
+                  maxnreg=None, swap=None, fused=None, heads_first=None) -> None:
     """Run the decode kernel into ``out``. With several splits the last split of each
     (sequence, KV head) merges them (``fused``, default ``FUSED_COMBINE``) or a second
-    launch does (``combine.py``). ``swap`` puts the keys on the MMA's M side."""
+    launch does (``combine.py``). ``swap`` puts the keys on the MMA's M side;
+    ``heads_first`` launches the KV heads of one (sequence, split) next to each other."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     dv = v_cache.shape[-1]
@@ -364,7 +372,11 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     if not direct and (FUSED_COMBINE if fused is None else fused):
         counters = split_counters(batch * kv_heads, q.device)
     ws = (out, out, out) if direct else workspace(rows, heads, splits, dv, q.device)
-    _paged_decode_fwd[(batch + 1 if direct or counters is not None else batch, kv_heads, splits)](
+    programs = batch + 1 if direct or counters is not None else batch
+    heads_first = HEADS_FIRST if heads_first is None else bool(heads_first)
+    heads_first = heads_first and programs < 65536  # grid dims 1 and 2 stop at 65535
+    grid = (kv_heads, programs, splits) if heads_first else (programs, kv_heads, splits)
+    _paged_decode_fwd[grid](
         q, k_cache, v_cache, query_start_loc, seq_lens, table, out, *ws, scales,
         sinks if sinks is not None else seq_lens, flag if flag is not None else seq_lens,
         counters if counters is not None else seq_lens,
@@ -379,6 +391,7 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
         HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None, SCALES_IN_MEMORY=in_memory,
         CHECK=flag is not None, F32=f32, FP8=fp8, SWAP=bool(swap), FUSED=counters is not None,
+        HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if not direct and counters is None:
