@@ -329,3 +329,24 @@ def test_bf16_queries_over_fp8_caches(ops_backend):
     want = reference(sc8, Mask(), scale=64**-0.5)
     err = float((got.cpu().double() - want).norm() / want.norm())
     assert err < 1e-2, err  # bf16 output and 16-bit probabilities
+
+
+@pytest.mark.parametrize("q_len", [1, 7])
+@pytest.mark.parametrize("swap,fused", [(False, True), (True, True), (True, False)])
+def test_triton_bf16_decode_variants_on_the_benchmark_geometry(q_len, swap, fused, ops_backend):
+    # the variants the benchmark sweeps, with bf16 tensor-core dots: head dim 128, 4 query
+    # heads per KV head, decode rows or a 7-token non-causal draft block (28-row tiles)
+    if ops_backend != "triton":
+        pytest.skip("launch overrides exist on the triton backend only")
+    only_on_gpu(ops_backend, why="the bf16 dot path runs on a GPU only")
+    from pagedkv.ops.triton.attention import paged_attention as triton_attention
+
+    seqs = [(700, q_len), (q_len + 40, q_len), (333, q_len)]
+    sc = make_scenario(seqs, 16, 8, 2, dim=128, seed=40 + q_len + 2 * swap + fused)
+    mask = Mask() if q_len == 1 else Mask(causal=False, draft_block=q_len)
+    got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
+                           mask=mask, max_query_len=q_len, max_seq_len=700, splits=3,
+                           swap=swap, fused=fused)
+    want = reference(sc, mask, scale=128**-0.5)
+    err = float((got.cpu().double() - want).norm() / want.norm())
+    assert err < 1e-2, err  # bf16 output and 16-bit probabilities

@@ -360,14 +360,14 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
     if splits is None:
         splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
-    if maxnreg is None and block_m == 32 and not (fp8 or f32):
+    if swap is None:
+        swap = (SWAP_Q7 if block_m == 32 else SWAP_Q1) and not f32
+    if maxnreg is None and block_m == 32 and not (fp8 or f32 or swap):
         maxnreg = Q7_MAXNREG  # 7-token blocks x 4 heads: 164 -> 128 registers, 4 programs/SM
     extra = {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
     scales = scale_vector((k_scale, v_scale), q.device) if in_memory else seq_lens
     direct = splits == 1
-    if swap is None:
-        swap = (SWAP_Q7 if block_m == 32 else SWAP_Q1) and not f32
     counters = None
     if not direct and (FUSED_COMBINE if fused is None else fused):
         counters = split_counters(batch * kv_heads, q.device)
