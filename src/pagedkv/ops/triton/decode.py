@@ -100,21 +100,25 @@ def _paged_decode_fwd(
     HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr,
     CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr,
-    FUSED: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    FUSED: tl.constexpr, HEADS_FIRST: tl.constexpr, ROW_TILES: tl.constexpr,
 ):
+    # (KV head, row tile) pairs: the row tiles of one sequence's (KV head, split) are
+    # neighbouring programs, so the second reads its K/V tiles from L2
     if HEADS_FIRST:  # neighbouring programs read the KV heads of the same pages
-        kvh = tl.program_id(0)
+        hr = tl.program_id(0)
         b = tl.program_id(1)
-        kv_heads = tl.num_programs(0)
+        kv_heads = tl.num_programs(0) // ROW_TILES
     else:
         b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        kv_heads = tl.num_programs(1)
+        hr = tl.program_id(1)
+        kv_heads = tl.num_programs(1) // ROW_TILES
+    kvh = hr // ROW_TILES
+    rt = hr % ROW_TILES
     split = tl.program_id(2)
     dv = tl.arange(0, BLOCK_DV)
     if b == batch:  # direct or fused output: zero the padding rows past the batch's last row
         total = tl.load(qsl_ptr + batch)
-        hh = tl.arange(0, BLOCK_M)
+        hh = rt * BLOCK_M + tl.arange(0, BLOCK_M)  # query heads of this KV head, per row tile
         hmask = (hh < GROUP)[:, None] & (dv < DV)[None, :]
         zeros = tl.zeros([BLOCK_M, BLOCK_DV], dtype=out_ptr.dtype.element_ty)
         for i in range(0, tl.where(split == 0, rows - total, 0)):
@@ -126,7 +130,7 @@ def _paged_decode_fwd(
     if q_len <= 0:
         return
     seq_len = tl.load(lens_ptr + b)
-    m = tl.arange(0, BLOCK_M)
+    m = rt * BLOCK_M + tl.arange(0, BLOCK_M)
     row = m // GROUP
     qh = kvh * GROUP + m % GROUP
     lo, hi = row_extents(row, q_len, seq_len, window, chunk, draft,
@@ -265,7 +269,7 @@ def _paged_decode_fwd(
                  mask=rmask[:, None] & (dv[None, :] < DV))
         if FUSED:  # no combine launch: the split that finishes last merges (counter per pair)
             tl.debug_barrier()  # every thread's partial stores precede the release below
-            counter = count_ptr + b * kv_heads + kvh
+            counter = count_ptr + (b * kv_heads + kvh) * ROW_TILES + rt
             ticket = tl.atomic_add(counter, 1, sem="acq_rel")
             if ticket == num_splits - 1:
                 tl.atomic_xchg(counter, 0)  # zero again for the next launch
@@ -286,7 +290,7 @@ F32_CONFIG = (32, 4, 2)  # float32 queries: the tests' exact path
 Q7_MAXNREG = 128  # bf16 tiles of 32 rows (7-token draft blocks): 0.90x the time uncapped
 SWAP_Q1 = False  # keys on the MMA's M side for <= 16-row tiles (decode)
 SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
-FUSED_COMBINE = True  # the last split merges the partials (no combine launch)
+FUSED_COMBINE = False  # the last split merges the partials: slower on the H200 (docs)
 HEADS_FIRST = True  # grid order: KV heads of the same pages in neighbouring programs
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
@@ -341,11 +345,13 @@ def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
 def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
                   scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
                   splits=None, block_n=None, num_warps=None, num_stages=None,
-                  maxnreg=None, swap=None, fused=None, heads_first=None) -> None:
+                  maxnreg=None, swap=None, fused=None, heads_first=None, block_m=None) -> None:
     """Run the decode kernel into ``out``. With several splits the last split of each
     (sequence, KV head) merges them (``fused``, default ``FUSED_COMBINE``) or a second
     launch does (``combine.py``). ``swap`` puts the keys on the MMA's M side;
-    ``heads_first`` launches the KV heads of one (sequence, split) next to each other."""
+    ``heads_first`` launches the KV heads of one (sequence, split) next to each other;
+    ``block_m`` below the sequence's (row, head) pairs per KV head splits them into row
+    tiles, launched side by side (each reads the K/V tiles; the second one mostly from L2)."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     dv = v_cache.shape[-1]
@@ -355,7 +361,9 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         out.zero_()
         return
     fp8 = is_fp8(k_cache.dtype) and is_fp8(v_cache.dtype) and not f32
-    block_m = max(16, next_pow2(max(1, max_query_len) * group))
+    pairs = max(1, max_query_len) * group  # (query row, query head) pairs per KV head
+    block_m = max(16, next_pow2(pairs)) if block_m is None else max(16, next_pow2(block_m))
+    row_tiles = -(-pairs // block_m)
     cfg = launch_config(fp8, f32)
     block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
     if splits is None:
@@ -370,12 +378,13 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     direct = splits == 1
     counters = None
     if not direct and (FUSED_COMBINE if fused is None else fused):
-        counters = split_counters(batch * kv_heads, q.device)
+        counters = split_counters(batch * kv_heads * row_tiles, q.device)
     ws = (out, out, out) if direct else workspace(rows, heads, splits, dv, q.device)
     programs = batch + 1 if direct or counters is not None else batch
     heads_first = HEADS_FIRST if heads_first is None else bool(heads_first)
     heads_first = heads_first and programs < 65536  # grid dims 1 and 2 stop at 65535
-    grid = (kv_heads, programs, splits) if heads_first else (programs, kv_heads, splits)
+    hr = kv_heads * row_tiles
+    grid = (hr, programs, splits) if heads_first else (programs, hr, splits)
     _paged_decode_fwd[grid](
         q, k_cache, v_cache, query_start_loc, seq_lens, table, out, *ws, scales,
         sinks if sinks is not None else seq_lens, flag if flag is not None else seq_lens,
@@ -391,7 +400,7 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
         HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None, SCALES_IN_MEMORY=in_memory,
         CHECK=flag is not None, F32=f32, FP8=fp8, SWAP=bool(swap), FUSED=counters is not None,
-        HEADS_FIRST=heads_first,
+        HEADS_FIRST=heads_first, ROW_TILES=row_tiles,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if not direct and counters is None:
