@@ -10,6 +10,11 @@ masks along the head dim), scales arrive as plain floats when they are floats, t
 bad-block flag is written only when the host reads it back, and fp8 K/V tiles are converted once
 to fp16 in registers (exact for e4m3/e5m2) so only half the bytes are loaded. With one
 split the kernel normalises and writes the output itself (no workspace, no combine).
+
+Variants behind launch overrides, measured on the H200 and left off by default
+(docs/kernels.md): ``swap`` (keys on the MMA's M side, wgmma), ``fused`` (the split that
+finishes last merges the partial states through an arrival counter, no combine launch),
+``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles).
 """
 
 from __future__ import annotations
@@ -291,7 +296,7 @@ Q7_MAXNREG = 128  # bf16 tiles of 32 rows (7-token draft blocks): 0.90x the time
 SWAP_Q1 = False  # keys on the MMA's M side for <= 16-row tiles (decode)
 SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
 FUSED_COMBINE = False  # the last split merges the partials: slower on the H200 (docs)
-HEADS_FIRST = True  # grid order: KV heads of the same pages in neighbouring programs
+HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no gain measured (docs)
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
 
@@ -381,7 +386,8 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         counters = split_counters(batch * kv_heads * row_tiles, q.device)
     ws = (out, out, out) if direct else workspace(rows, heads, splits, dv, q.device)
     programs = batch + 1 if direct or counters is not None else batch
-    heads_first = HEADS_FIRST if heads_first is None else bool(heads_first)
+    if heads_first is None:  # row tiles of one (sequence, KV head) side by side: L2 reuse
+        heads_first = HEADS_FIRST or row_tiles > 1
     heads_first = heads_first and programs < 65536  # grid dims 1 and 2 stop at 65535
     hr = kv_heads * row_tiles
     grid = (hr, programs, splits) if heads_first else (programs, hr, splits)
