@@ -11,8 +11,9 @@ paged prefill, MLA fa3) and FlashMLA (sgl-flash-mla, legacy SM90 dense path). ``
 is each output's relative Frobenius distance to pagedkv's triton output for that shape.
 
 Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md]
-GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers]; the GQA
-part ends with the issue's GQA targets computed from the same run.
+GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers] [--graphs]
+(every GQA row also timed as CUDA-graph replays, no host launch path); the GQA part ends with
+the issue's GQA targets computed from the same run, per timing mode.
 """
 
 from __future__ import annotations
