@@ -107,9 +107,10 @@ def _paged_decode_fwd(
     CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr,
     FUSED: tl.constexpr, HEADS_FIRST: tl.constexpr, ROW_TILES: tl.constexpr,
 ):
-    # (KV head, row tile) pairs: the row tiles of one sequence's (KV head, split) are
-    # neighbouring programs, so the second reads its K/V tiles from L2
-    if HEADS_FIRST:  # neighbouring programs read the KV heads of the same pages
+    # one grid dimension holds the (KV head, row tile) pairs; heads-first makes it the fastest
+    # one, so the KV heads and row tiles of one (sequence, split) are neighbouring programs
+    # (a second row tile then reads its K/V tiles mostly from L2)
+    if HEADS_FIRST:
         hr = tl.program_id(0)
         b = tl.program_id(1)
         kv_heads = tl.num_programs(0) // ROW_TILES
