@@ -279,10 +279,14 @@ def test_sequence_with_no_position_yet_outputs_zeros_even_with_sinks(ops_backend
     torch.testing.assert_close(got.cpu().double(), reference(sc, Mask(), scale=8**-0.5, sinks=sinks))
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_triton_launch_overrides_and_no_host_read_path(splits, ops_backend):
+@pytest.mark.parametrize("splits,swap,fused,heads_first,block_m", [
+    (1, False, None, True, None), (3, False, False, False, None), (3, True, True, True, None),
+    (1, True, None, False, 16), (3, False, True, False, 16), (3, False, False, True, 16)])
+def test_triton_launch_overrides_and_no_host_read_path(splits, swap, fused, heads_first, block_m,
+                                                       ops_backend):
     # the decode kernel with one split writes the output itself (sinks, padding rows), with
-    # several it goes through the combine; bounds given = no host validation or flag read
+    # several the last split merges them (fused) or the combine launch does; swap = keys on
+    # the MMA's M side; bounds given = no host validation or flag read
     if ops_backend != "triton":
         pytest.skip("launch overrides exist on the triton backend only")
     from pagedkv.ops.triton.attention import paged_attention as triton_attention
@@ -294,7 +298,8 @@ def test_triton_launch_overrides_and_no_host_read_path(splits, ops_backend):
     sc.q[-PAD_ROWS:] = float("nan")  # padding rows are never read
     got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
                            mask=mask, soft_cap=3.0, sinks=sinks, max_query_len=3,
-                           max_seq_len=70, splits=splits, block_n=16)
+                           max_seq_len=70, splits=splits, block_n=16, swap=swap, fused=fused,
+                           heads_first=heads_first, block_m=block_m)
     want = reference(sc, mask, scale=8**-0.5, soft_cap=3.0, sinks=sinks)
     torch.testing.assert_close(got.cpu().double(), want, **EXACT["triton"])
     assert bool((got[-PAD_ROWS:] == 0).all())
@@ -324,3 +329,48 @@ def test_bf16_queries_over_fp8_caches(ops_backend):
     want = reference(sc8, Mask(), scale=64**-0.5)
     err = float((got.cpu().double() - want).norm() / want.norm())
     assert err < 1e-2, err  # bf16 output and 16-bit probabilities
+
+
+@pytest.mark.parametrize("q_len", [1, 7])
+@pytest.mark.parametrize("swap,fused,block_m", [(False, True, None), (True, True, None),
+                                                (True, False, None), (False, False, 16),
+                                                (False, True, 16)])
+def test_triton_bf16_decode_variants_on_the_benchmark_geometry(q_len, swap, fused, block_m,
+                                                               ops_backend):
+    # the variants the benchmark sweeps, with bf16 tensor-core dots: head dim 128, 4 query
+    # heads per KV head, decode rows or a 7-token non-causal draft block (28-row tiles)
+    if ops_backend != "triton":
+        pytest.skip("launch overrides exist on the triton backend only")
+    only_on_gpu(ops_backend, why="the bf16 dot path runs on a GPU only")
+    from pagedkv.ops.triton.attention import paged_attention as triton_attention
+
+    seqs = [(700, q_len), (q_len + 40, q_len), (333, q_len)]
+    sc = make_scenario(seqs, 16, 8, 2, dim=128, seed=40 + q_len + 2 * swap + fused + 5 * bool(block_m))
+    mask = Mask() if q_len == 1 else Mask(causal=False, draft_block=q_len)
+    got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
+                           mask=mask, max_query_len=q_len, max_seq_len=700, splits=3,
+                           swap=swap, fused=fused, block_m=block_m)
+    want = reference(sc, mask, scale=128**-0.5)
+    err = float((got.cpu().double() - want).norm() / want.norm())
+    assert err < 1e-2, err  # bf16 output and 16-bit probabilities
+
+
+@pytest.mark.parametrize("heads,q_len,splits,fused", [(8, 7, 3, False), (8, 7, 1, None),
+                                                      (64, 1, 2, True)])
+def test_triton_decode_row_tiles(heads, q_len, splits, fused, ops_backend):
+    # block_m below a sequence's (row, head) pairs per KV head: several row tiles per KV head
+    # (7 rows x 4 heads in two 16-row tiles; 32 heads of one KV head in two), padding rows zero
+    if ops_backend != "triton":
+        pytest.skip("launch overrides exist on the triton backend only")
+    from pagedkv.ops.triton.attention import paged_attention as triton_attention
+
+    seqs = [(30, q_len), (q_len + 2, q_len), (0, 0)]
+    sc = make_scenario(seqs, 16, heads, 2, seed=50 + heads + splits)
+    sc.q[-PAD_ROWS:] = float("nan")
+    mask = Mask() if q_len == 1 else Mask(causal=False, draft_block=q_len)
+    got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
+                           mask=mask, max_query_len=q_len, max_seq_len=30, splits=splits,
+                           block_n=16, block_m=16, fused=fused)
+    want = reference(sc, mask, scale=8**-0.5)
+    torch.testing.assert_close(got.cpu().double(), want, **EXACT["triton"])
+    assert bool((got[-PAD_ROWS:] == 0).all())

@@ -169,6 +169,10 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
+    swap: bool | None = None,
+    fused: bool | None = None,
+    heads_first: bool | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq, Dv]; see ``pagedkv.ops.paged_attention``.
 
@@ -178,8 +182,11 @@ def paged_attention(
     read and no host sync (an engine's decode step, CUDA-graph capture): the batch is then
     not validated, and keys behind block ids outside the cache are skipped but not reported.
     ``splits``, ``block_n``, ``num_warps`` and ``num_stages`` override the launch
-    configuration, ``maxnreg`` caps registers per thread on the decode path
-    (benchmarks/attention.py sweeps them).
+    configuration, ``maxnreg`` caps registers per thread on the decode path, ``swap`` (keys
+    on the MMA's M side) and ``fused`` (the last split merges, no combine launch) pick decode
+    kernel variants, ``heads_first`` the grid order, ``block_m`` the decode tile's rows
+    (several row tiles per KV head when smaller than the pairs; benchmarks/attention.py sweeps
+    them).
     """
     del compute_dtype  # the kernel accumulates in float32
     check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
@@ -215,7 +222,8 @@ def paged_attention(
                       mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=ks,
                       v_scale=vs, max_query_len=max_query_len, max_seq_len=max_seq_len,
                       f32=f32, splits=splits, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, maxnreg=maxnreg)
+                      num_stages=num_stages, maxnreg=maxnreg, swap=swap, fused=fused,
+                      heads_first=heads_first, block_m=block_m)
         if check:
             raise_on_bad_block(flag, num_blocks)
         return out

@@ -10,6 +10,11 @@ masks along the head dim), scales arrive as plain floats when they are floats, t
 bad-block flag is written only when the host reads it back, and fp8 K/V tiles are converted once
 to fp16 in registers (exact for e4m3/e5m2) so only half the bytes are loaded. With one
 split the kernel normalises and writes the output itself (no workspace, no combine).
+
+Variants behind launch overrides, measured on the H200 and left off by default
+(docs/kernels.md): ``swap`` (keys on the MMA's M side, wgmma), ``fused`` (the split that
+finishes last merges the partial states through an arrival counter, no combine launch),
+``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles).
 """
 
 from __future__ import annotations
@@ -22,14 +27,75 @@ import triton.language as tl
 
 from pagedkv.ops.fp8 import is_fp8
 from pagedkv.ops.triton.combine import combine, workspace
-from pagedkv.ops.triton.common import interpreting, next_pow2, scale_vector
+from pagedkv.ops.triton.common import capturing, interpreting, next_pow2, scale_vector
 from pagedkv.ops.triton.rows import row_extents, soft_cap_scores
+
+
+@triton.jit
+def _load_v(v_ptrs, kin, dv, dt, DV: tl.constexpr, BLOCK_DV: tl.constexpr, F32: tl.constexpr,
+            FP8: tl.constexpr):
+    """One V tile [BLOCK_N, BLOCK_DV] in the dot's dtype (fp8 widened to fp16, exact)."""
+    if BLOCK_DV == DV:
+        v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=kin[:, None] & (dv[None, :] < DV), other=0.0)
+    if F32:
+        v = v.to(tl.float32)
+    elif FP8:
+        v = v.to(tl.float16)
+    else:
+        v = v.to(dt)
+    return v
+
+
+@triton.jit
+def _merge_splits(ws_o, ws_m, ws_l, out_ptr, sinks_ptr, q_start, row, qh, rmask,
+                  stride_ot, stride_oh, heads, num_splits, DV: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The last split of a (sequence, KV head) to finish merges every split's (m, l, o),
+    32 output columns at a time (a whole [rows, DV] float32 tile of pointers and values would
+    raise the kernel's register count, its main loop's included)."""
+    CH: tl.constexpr = 32 if BLOCK_DV >= 32 else BLOCK_DV
+    rbase = ((q_start + row).to(tl.int64) * heads + qh) * num_splits
+    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for sp in tl.range(0, num_splits, num_stages=1):
+        m = tl.load(ws_m + rbase + sp, mask=rmask, other=float("-inf"), cache_modifier=".cg")
+        ls = tl.load(ws_l + rbase + sp, mask=rmask, other=0.0, cache_modifier=".cg")
+        m_top = tl.maximum(mx, m)
+        m_use = tl.where(m_top == float("-inf"), 0.0, m_top)
+        denom = denom * tl.exp2(mx - m_use) + ls * tl.exp2(m - m_use)
+        mx = m_top
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + qh, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        seen = denom > 0
+        m_top = tl.maximum(mx, sink)
+        m_use = tl.where(m_top == float("-inf"), 0.0, m_top)
+        denom = denom * tl.exp2(tl.where(mx == float("-inf"), m_use, mx) - m_use) \
+            + tl.exp2(sink - m_use)
+        mx = m_top
+    else:
+        seen = denom > 0
+    m_use = tl.where(mx == float("-inf"), 0.0, mx)
+    inv = tl.where(seen, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+    obase = out_ptr + (q_start + row).to(tl.int64) * stride_ot + qh * stride_oh
+    for c0 in tl.static_range(0, BLOCK_DV, CH):
+        c = c0 + tl.arange(0, CH)
+        cmask = rmask[:, None] & (c[None, :] < DV)
+        o = tl.zeros([BLOCK_M, CH], dtype=tl.float32)
+        for sp in tl.range(0, num_splits, num_stages=1):
+            w = tl.exp2(tl.load(ws_m + rbase + sp, mask=rmask, other=float("-inf"),
+                                cache_modifier=".cg") - m_use)
+            o += tl.load(ws_o + (rbase + sp)[:, None] * DV + c[None, :], mask=cmask, other=0.0,
+                         cache_modifier=".cg") * w[:, None]
+        tl.store(obase[:, None] + c[None, :], (o * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=cmask)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "batch", "rows", "num_splits"])
 def _paged_decode_fwd(
     q_ptr, k_ptr, v_ptr, qsl_ptr, lens_ptr, table_ptr, out_ptr, ws_o, ws_m, ws_l,
-    scales_ptr, sinks_ptr, flag_ptr,
+    scales_ptr, sinks_ptr, flag_ptr, count_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_tb, stride_ot, stride_oh, num_blocks, batch, rows, heads, scale, k_scale_f,
     v_scale_f, cap, window, chunk, draft, num_splits,
@@ -38,18 +104,30 @@ def _paged_decode_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr,
-    CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
+    CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr,
+    FUSED: tl.constexpr, HEADS_FIRST: tl.constexpr, ROW_TILES: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # one grid dimension holds the (KV head, row tile) pairs; heads-first makes it the fastest
+    # one, so the KV heads and row tiles of one (sequence, split) are neighbouring programs
+    # (a second row tile then reads its K/V tiles mostly from L2)
+    if HEADS_FIRST:
+        hr = tl.program_id(0)
+        b = tl.program_id(1)
+        kv_heads = tl.num_programs(0) // ROW_TILES
+    else:
+        b = tl.program_id(0)
+        hr = tl.program_id(1)
+        kv_heads = tl.num_programs(1) // ROW_TILES
+    kvh = hr // ROW_TILES
+    rt = hr % ROW_TILES
     split = tl.program_id(2)
     dv = tl.arange(0, BLOCK_DV)
-    if b == batch:  # direct output only: zero the padding rows past the batch's last row
+    if b == batch:  # direct or fused output: zero the padding rows past the batch's last row
         total = tl.load(qsl_ptr + batch)
-        hh = tl.arange(0, BLOCK_M)
+        hh = rt * BLOCK_M + tl.arange(0, BLOCK_M)  # query heads of this KV head, per row tile
         hmask = (hh < GROUP)[:, None] & (dv < DV)[None, :]
         zeros = tl.zeros([BLOCK_M, BLOCK_DV], dtype=out_ptr.dtype.element_ty)
-        for i in range(0, rows - total):
+        for i in range(0, tl.where(split == 0, rows - total, 0)):
             tl.store(out_ptr + (total + i).to(tl.int64) * stride_ot + (kvh * GROUP + hh)[:, None] * stride_oh
                      + dv[None, :], zeros, mask=hmask)
         return
@@ -58,7 +136,7 @@ def _paged_decode_fwd(
     if q_len <= 0:
         return
     seq_len = tl.load(lens_ptr + b)
-    m = tl.arange(0, BLOCK_M)
+    m = rt * BLOCK_M + tl.arange(0, BLOCK_M)
     row = m // GROUP
     qh = kvh * GROUP + m % GROUP
     lo, hi = row_extents(row, q_len, seq_len, window, chunk, draft,
@@ -73,9 +151,14 @@ def _paged_decode_fwd(
 
     d = tl.arange(0, BLOCK_D)
     rmask = row < q_len
-    q = tl.load(q_ptr + (q_start + row)[:, None].to(tl.int64) * stride_qt
-                + qh[:, None] * stride_qh + d[None, :],
-                mask=rmask[:, None] & (d[None, :] < D), other=0.0)
+    if SWAP:  # queries transposed [BLOCK_D, BLOCK_M]: keys go on the MMA's M side
+        q = tl.load(q_ptr + (q_start + row)[None, :].to(tl.int64) * stride_qt
+                    + qh[None, :] * stride_qh + d[:, None],
+                    mask=rmask[None, :] & (d[:, None] < D), other=0.0)
+    else:
+        q = tl.load(q_ptr + (q_start + row)[:, None].to(tl.int64) * stride_qt
+                    + qh[:, None] * stride_qh + d[None, :],
+                    mask=rmask[:, None] & (d[None, :] < D), other=0.0)
     if SCALES_IN_MEMORY:
         k_scale = tl.load(scales_ptr)
         v_scale = tl.load(scales_ptr + 1)
@@ -95,7 +178,10 @@ def _paged_decode_fwd(
     t_base = table_ptr + b.to(tl.int64) * stride_tb
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_DV, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(s_lo, s_hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         kin = (keys < s_hi) & (keys >= kv_lo)
@@ -114,35 +200,58 @@ def _paged_decode_fwd(
         else:
             k = tl.load(k_ptrs, mask=kin[:, None] & (d[None, :] < D), other=0.0)
         if F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            k = k.to(tl.float32)
         elif FP8:
-            s = tl.dot(q, tl.trans(k.to(tl.float16)))
+            k = k.to(tl.float16)
         else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            k = k.to(q.dtype)
+        if SWAP:  # s^T = k q^T: [BLOCK_N, BLOCK_M]
+            if F32:
+                s = tl.dot(k, q, input_precision="ieee")
+            else:
+                s = tl.dot(k, q)
+        else:
+            if F32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         if HAS_CAP:
             s = soft_cap_scores(s, cap) * 1.4426950408889634
-        seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & kin[None, :]
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :]
-        if BLOCK_DV == DV:
-            v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
+        if SWAP:
+            seen = (keys[:, None] >= lo[None, :]) & (keys[:, None] < hi[None, :]) & kin[:, None]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[None, :])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            v = _load_v(v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :], kin, dv,
+                        q.dtype, DV, BLOCK_DV, F32, FP8)
+            if F32:  # o^T = v^T p^T: [BLOCK_DV, BLOCK_M]
+                pv = tl.dot(tl.trans(v), p, input_precision="ieee")
+            else:
+                pv = tl.dot(tl.trans(v), p.to(v.dtype))
+            acc = acc * alpha[None, :] + pv
         else:
-            v = tl.load(v_ptrs, mask=kin[:, None] & (dv[None, :] < DV), other=0.0)
-        if F32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        elif FP8:
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
+            seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & kin[None, :]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_v(v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :], kin, dv,
+                        q.dtype, DV, BLOCK_DV, F32, FP8)
+            if F32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if SWAP:
+        acc = tl.trans(acc)
     if DIRECT:  # one split: normalise here
         denom = l_i
         o_scale = v_scale
@@ -164,6 +273,15 @@ def _paged_decode_fwd(
         tl.store(ws_l + base, l_i, mask=rmask)
         tl.store(ws_o + base[:, None] * DV + dv[None, :], acc * v_scale,
                  mask=rmask[:, None] & (dv[None, :] < DV))
+        if FUSED:  # no combine launch: the split that finishes last merges (counter per pair)
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            counter = count_ptr + (b * kv_heads + kvh) * ROW_TILES + rt
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch
+                _merge_splits(ws_o, ws_m, ws_l, out_ptr, sinks_ptr, q_start, row, qh, rmask,
+                              stride_ot, stride_oh, heads, num_splits, DV, BLOCK_M,
+                              BLOCK_DV, HAS_SINKS)
 
 
 DECODE_ROWS = 64  # at most this many (query row, query head) pairs per KV head take this path
@@ -176,6 +294,10 @@ BF16_CONFIG = (64, 4, 2)
 FP8_CONFIG = (128, 4, 3)
 F32_CONFIG = (32, 4, 2)  # float32 queries: the tests' exact path
 Q7_MAXNREG = 128  # bf16 tiles of 32 rows (7-token draft blocks): 0.90x the time uncapped
+SWAP_Q1 = False  # keys on the MMA's M side for <= 16-row tiles (decode)
+SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
+FUSED_COMBINE = False  # the last split merges the partials: slower on the H200 (docs)
+HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no gain measured (docs)
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
 
@@ -197,6 +319,29 @@ def decode_splits(programs: int, max_seq_len: int, device) -> int:
     return max(1, min(want, most, 64))
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers stay alive: a captured graph may use one
+
+
+def split_counters(pairs: int, device) -> torch.Tensor | None:
+    """Zeroed int32 arrival counters, one per (sequence, KV head), for the fused combine; each
+    launch leaves them zero again. One buffer per device and stream (kernels on two streams
+    never share counters). None inside CUDA-graph capture when the buffer would have to grow
+    (an allocation made during capture belongs to the graph's pool): the caller then combines
+    in a second launch."""
+    stream = 0 if device.type != "cuda" else torch.cuda.current_stream(device).cuda_stream
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < pairs:
+        if capturing():
+            return None
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(pairs, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
     if interpreting():
         return (32, 4, 2)
@@ -206,8 +351,13 @@ def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
 def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
                   scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
                   splits=None, block_n=None, num_warps=None, num_stages=None,
-                  maxnreg=None) -> None:
-    """Run the decode kernel (and the combine when the keys are split) into ``out``."""
+                  maxnreg=None, swap=None, fused=None, heads_first=None, block_m=None) -> None:
+    """Run the decode kernel into ``out``. With several splits the last split of each
+    (sequence, KV head) merges them (``fused``, default ``FUSED_COMBINE``) or a second
+    launch does (``combine.py``). ``swap`` puts the keys on the MMA's M side;
+    ``heads_first`` launches the KV heads of one (sequence, split) next to each other;
+    ``block_m`` below the sequence's (row, head) pairs per KV head splits them into row
+    tiles, launched side by side (each reads the K/V tiles; the second one mostly from L2)."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     dv = v_cache.shape[-1]
@@ -217,21 +367,35 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         out.zero_()
         return
     fp8 = is_fp8(k_cache.dtype) and is_fp8(v_cache.dtype) and not f32
-    block_m = max(16, next_pow2(max(1, max_query_len) * group))
+    pairs = max(1, max_query_len) * group  # (query row, query head) pairs per KV head
+    block_m = max(16, next_pow2(pairs)) if block_m is None else max(16, next_pow2(block_m))
+    row_tiles = -(-pairs // block_m)
     cfg = launch_config(fp8, f32)
     block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
     if splits is None:
         splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
-    if maxnreg is None and block_m == 32 and not (fp8 or f32):
+    if swap is None:
+        swap = (SWAP_Q7 if block_m == 32 else SWAP_Q1) and not f32
+    if maxnreg is None and block_m == 32 and not (fp8 or f32 or swap):
         maxnreg = Q7_MAXNREG  # 7-token blocks x 4 heads: 164 -> 128 registers, 4 programs/SM
     extra = {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
     scales = scale_vector((k_scale, v_scale), q.device) if in_memory else seq_lens
     direct = splits == 1
+    counters = None
+    if not direct and (FUSED_COMBINE if fused is None else fused):
+        counters = split_counters(batch * kv_heads * row_tiles, q.device)
     ws = (out, out, out) if direct else workspace(rows, heads, splits, dv, q.device)
-    _paged_decode_fwd[(batch + 1 if direct else batch, kv_heads, splits)](
+    programs = batch + 1 if direct or counters is not None else batch
+    if heads_first is None:  # row tiles of one (sequence, KV head) side by side: L2 reuse
+        heads_first = HEADS_FIRST or row_tiles > 1
+    heads_first = heads_first and programs < 65536  # grid dims 1 and 2 stop at 65535
+    hr = kv_heads * row_tiles
+    grid = (hr, programs, splits) if heads_first else (programs, hr, splits)
+    _paged_decode_fwd[grid](
         q, k_cache, v_cache, query_start_loc, seq_lens, table, out, *ws, scales,
         sinks if sinks is not None else seq_lens, flag if flag is not None else seq_lens,
+        counters if counters is not None else seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         out.stride(0), out.stride(1), num_blocks, batch, rows, heads, scale,
@@ -242,8 +406,9 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
         HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
         HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None, SCALES_IN_MEMORY=in_memory,
-        CHECK=flag is not None, F32=f32, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
-        **extra,
+        CHECK=flag is not None, F32=f32, FP8=fp8, SWAP=bool(swap), FUSED=counters is not None,
+        HEADS_FIRST=heads_first, ROW_TILES=row_tiles,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
-    if not direct:
+    if not direct and counters is None:
         combine(ws, out, query_start_loc, sinks)
