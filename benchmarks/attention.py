@@ -36,18 +36,20 @@ COPY_GBS = [0.0]
 TUNED: dict[str, dict | None] = {"gqa": {}, "gqa_q7": None, "gqa_fp8": {}, "mla": {}}  # best launch config of each family's sweep
 
 
-def sweep(family: str, case: str, run, grid: list[dict]) -> None:
-    """Time each launch config on this case; the fastest becomes TUNED[family]."""
+def sweep(family: str, case: str, run, grid: list[dict], ref: torch.Tensor | None = None) -> None:
+    """Time each launch config on this case; the fastest becomes TUNED[family]. With ``ref``
+    each config's output is also compared with it (relerr printed)."""
     best = None
     for cfg in grid:
         try:
-            run(**cfg)
+            out = run(**cfg)
+            err = f", relerr {relerr(out, ref):.1e}" if ref is not None else ""
             us = 1e3 * triton.testing.do_bench(lambda cfg=cfg: run(**cfg), warmup=5, rep=20,
                                                return_mode="median")
         except Exception as exc:
-            print(f"# sweep {case} {cfg}: failed ({type(exc).__name__})", flush=True)
+            print(f"# sweep {case} {cfg}: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
             continue
-        print(f"# sweep {case} {cfg}: {us:.1f} us", flush=True)
+        print(f"# sweep {case} {cfg}: {us:.1f} us{err}", flush=True)
         if best is None or us < best[0]:
             best = (us, cfg)
     if best:
@@ -313,18 +315,22 @@ def flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops,
 # ---------------------------------------------------------------- MLA
 def mla_grid(rows: int, fp8: bool) -> list[dict]:
     """Launch configs swept per MLA shape family (rows = q_len x heads per request): the
-    pointer kernel (per-tile addresses, optionally transposed scores) and the TMA kernel."""
-    def cfg(bm, bn, dvs, w, st, tma, swap=False):
-        return dict(block_m=bm, block_n=bn, dv_splits=dvs, num_warps=w, num_stages=st, tma=tma, swap=swap)
+    pointer kernel (per-tile addresses, optionally transposed scores) and the TMA kernel
+    (``num_stages``: 3 prefetches the page ids, 5 also a second key tile; ``xchg``: scores
+    computed once across the warpgroups)."""
+    def cfg(bm, bn, w, st, tma, swap=False, xchg=False, splits=1):
+        return dict(block_m=bm, block_n=bn, dv_splits=1, num_warps=w, num_stages=st, tma=tma,
+                    swap=swap, xchg=xchg, splits=splits)
     if rows <= 32:
         if fp8:
-            base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 32, 1, 4, 2, False), cfg(16, 32, 1, 4, 3, True, True)]
-            return [dict(c, splits=sp) for c in base for sp in (2, 4)]
-        base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 64, 1, 4, 2, True, True), cfg(16, 32, 1, 4, 3, True, True),
-                cfg(64, 64, 1, 8, 2, True)]
-        return [dict(c, splits=sp) for c in base for sp in (2, 4, 6)]
-    base = [cfg(64, 64, 1, 8, 2, True), cfg(32, 64, 1, 8, 2, True, True), cfg(16, 64, 1, 4, 2, True, True)]
-    return [dict(c, splits=sp) for c in base for sp in (1, 2)]
+            return [cfg(16, 32, 4, 2, False, splits=4), cfg(16, 32, 4, 3, False, splits=4),
+                    cfg(16, 32, 8, 3, True, True, splits=4), cfg(16, 32, 8, 3, True, True, splits=8)]
+        return [cfg(16, 64, 4, 2, True, True, splits=2), cfg(16, 64, 4, 3, True, True, splits=2),
+                cfg(16, 64, 4, 3, True, True, splits=4), cfg(16, 64, 4, 1, True, True, splits=4),
+                cfg(16, 64, 4, 1, True, True, splits=6), cfg(16, 64, 4, 1, True, True, splits=2)]
+    return [cfg(64, 64, 8, 2, True), cfg(64, 64, 8, 2, True, xchg=True),
+            cfg(64, 32, 8, 5, True, xchg=True), cfg(64, 32, 8, 5, True, xchg=True, splits=2),
+            cfg(64, 32, 8, 3, True, xchg=True), cfg(64, 32, 8, 2, True, xchg=True)]
 
 
 def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, family=None,
@@ -370,7 +376,7 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
 
     record(case, "pagedkv_triton", run, nbytes, ref, flops)
     if do_sweep:
-        sweep(family, case, run, mla_grid(q_len * heads, fmt != "bf16"))
+        sweep(family, case, run, mla_grid(q_len * heads, fmt != "bf16"), ref)
     if TUNED.get(family):
         record(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, ref, flops)
     if not peers or fmt != "bf16":
