@@ -316,21 +316,17 @@ def flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops,
 def mla_grid(rows: int, fp8: bool) -> list[dict]:
     """Launch configs swept per MLA shape family (rows = q_len x heads per request): the
     pointer kernel (per-tile addresses, optionally transposed scores) and the TMA kernel
-    (``num_stages``: 3 prefetches the page ids, 5 also a second key tile; ``xchg``: scores
-    computed once across the warpgroups)."""
-    def cfg(bm, bn, w, st, tma, swap=False, xchg=False, splits=1):
+    (``num_stages`` 3 also prefetches the page ids; 1 is refused: see docs/kernels.md)."""
+    def cfg(bm, bn, w, st, tma, swap=False, splits=1):
         return dict(block_m=bm, block_n=bn, dv_splits=1, num_warps=w, num_stages=st, tma=tma,
-                    swap=swap, xchg=xchg, splits=splits)
+                    swap=swap, splits=splits)
     if rows <= 32:
         if fp8:
             return [cfg(16, 32, 4, 2, False, splits=4), cfg(16, 32, 4, 3, False, splits=4),
-                    cfg(16, 32, 8, 3, True, True, splits=4), cfg(16, 32, 8, 3, True, True, splits=8)]
-        return [cfg(16, 64, 4, 2, True, True, splits=2), cfg(16, 64, 4, 3, True, True, splits=2),
-                cfg(16, 64, 4, 3, True, True, splits=4), cfg(16, 64, 4, 1, True, True, splits=4),
-                cfg(16, 64, 4, 1, True, True, splits=6), cfg(16, 64, 4, 1, True, True, splits=2)]
-    return [cfg(64, 64, 8, 2, True), cfg(64, 64, 8, 2, True, xchg=True),
-            cfg(64, 32, 8, 5, True, xchg=True), cfg(64, 32, 8, 5, True, xchg=True, splits=2),
-            cfg(64, 32, 8, 3, True, xchg=True), cfg(64, 32, 8, 2, True, xchg=True)]
+                    cfg(16, 32, 8, 3, True, True, splits=4)]
+        return [cfg(16, 64, 4, 2, True, True, splits=2), cfg(16, 64, 4, 2, True, True, splits=4),
+                cfg(16, 64, 4, 3, True, True, splits=2), cfg(16, 64, 4, 3, True, True, splits=4)]
+    return [cfg(64, 64, 8, 2, True), cfg(64, 64, 8, 2, True, splits=2)]
 
 
 def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, family=None,

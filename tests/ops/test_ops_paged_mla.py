@@ -209,8 +209,8 @@ LAUNCHES = [  # (cache block size, mask case, rope width, kernel launch override
     (16, "bidirectional", ROPE, dict(block_m=64, block_n=32, dv_splits=1, splits=2)),  # per-key ids
     (16, "draft_block_7", 16, dict(block_m=32, block_n=16, dv_splits=1, splits=2, swap=True)),
     (16, "causal", ROPE, dict(block_m=16, block_n=16, dv_splits=2, splits=1, swap=True, tma=False)),
-    # TMA tiles, probabilities through the scratch, two splits (the second tile reuses it)
-    (16, "draft_block_7", ROPE, dict(block_m=32, block_n=16, splits=2, tma=True, xchg=True)),
+    # num_stages 1 with automatic TMA choice: the pointer kernel (unpipelined TMA is refused)
+    (16, "draft_block_7", ROPE, dict(block_m=32, block_n=16, splits=2, num_stages=1)),
 ]
 
 
@@ -234,6 +234,18 @@ def test_triton_launch_configs_match_naive_mla(block_size, case, rope, launch):
                                **EXACT["triton"])
 
 
+def test_triton_rejects_unpipelined_tma_tiles():
+    pytest.importorskip("triton")
+    from pagedkv.ops.triton.mla import paged_mla_latent as triton_mla_latent
+
+    sc = make_cache([9], 16, "bf16")
+    q_nope, q_rope, qsl, seq_lens = queries([(9, 1)])
+    w_uk, _ = weights()
+    with pytest.raises(InvalidArgumentError, match="num_stages >= 2"):
+        triton_mla_latent(absorb_query(q_nope, w_uk), q_rope, sc.cache, qsl, seq_lens, sc.table,
+                          scale=0.3, block_n=16, tma=True, num_stages=1)
+
+
 def test_triton_rejects_a_bad_column_split():
     pytest.importorskip("triton")
     from pagedkv.ops.triton.mla import paged_mla_latent as triton_mla_latent
@@ -247,13 +259,9 @@ def test_triton_rejects_a_bad_column_split():
 
 
 BF16_LAUNCHES = [  # (mask case, launch overrides); heads 16, rank 512 + 64, block size 64
-    ("causal", {}),
+    ("causal", {}),  # 64-row TMA tiles
     ("draft_block_7", {}),
-    ("draft_block_7", dict(xchg=True)),
-    ("causal", dict(xchg=True, block_n=32, num_stages=5, splits=2)),
-    ("bidirectional", dict(xchg=True, block_n=32, num_stages=3)),
-    ("causal", dict(block_m=16, swap=True, num_stages=3)),
-    ("causal", dict(block_m=16, swap=True, num_stages=1, splits=3)),
+    ("causal", dict(block_m=16, swap=True, num_stages=3)),  # the decode tiles, transposed
 ]
 
 

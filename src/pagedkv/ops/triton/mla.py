@@ -275,62 +275,6 @@ def _tile_step(q0, q1, qr, c0, c1, kr, keys, kin, lo, hi, qk_scale, m_i, l_i, ac
 
 
 @triton.jit
-def _cta_barrier(ASM: tl.constexpr):
-    """bar.sync as inline assembly: Triton's own barrier op turns its software pipeliner off
-    for the loop (no TMA prefetch). ``ASM=False`` (the interpreter, which runs a program's
-    lanes together) uses Triton's."""
-    if ASM:
-        tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.debug_barrier()
-
-
-@triton.jit
-def _tile_step_x(q0, q1, qr, c0, c1, kr, keys, kin, lo, hi, qk_scale, m_i, l_i, acc0, acc1,
-                 p_ptrs, m_ptrs, HAS_ROPE: tl.constexpr, BOTH: tl.constexpr, F32: tl.constexpr,
-                 ASM: tl.constexpr):
-    """``_tile_step`` with the probabilities and the new row maxima handed to the value
-    product through a per-program scratch (global memory, one barrier each way). Triton
-    gives a score product that feeds another product a [num_warps, 1] warp layout, which
-    with 8 warps and 64 rows makes both warpgroups compute the same scores; with no value
-    path from the scores to the second product the scores get a [4, 2] layout (each
-    warpgroup half of the keys) and are computed once."""
-    # separate, scaled products: Triton folds `dot + x` into a product chained on x
-    if F32:
-        s = tl.dot(q0, tl.trans(c0), input_precision="ieee") * qk_scale
-        s += tl.dot(q1, tl.trans(c1), input_precision="ieee") * qk_scale
-        if HAS_ROPE:
-            s += tl.dot(qr, tl.trans(kr), input_precision="ieee") * qk_scale
-    else:
-        s = tl.dot(q0, tl.trans(c0)) * qk_scale + tl.dot(q1, tl.trans(c1)) * qk_scale
-        if HAS_ROPE:
-            s += tl.dot(qr, tl.trans(kr)) * qk_scale
-    seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & kin[None, :]
-    s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    pr = tl.exp2(s - m_use[:, None])
-    l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(pr, 1)
-    tl.store(p_ptrs, pr.to(p_ptrs.dtype.element_ty))
-    tl.store(m_ptrs, m_use)
-    _cta_barrier(ASM)
-    p = tl.load(p_ptrs, volatile=True)
-    alpha = tl.exp2(m_i - tl.load(m_ptrs, volatile=True))
-    if F32:
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, c0, input_precision="ieee")
-        if BOTH:
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, c1, input_precision="ieee")
-    else:
-        p = p.to(c0.dtype)
-        acc0 = tl.dot(p, c0, acc0 * alpha[:, None])
-        if BOTH:
-            acc1 = tl.dot(p, c1, acc1 * alpha[:, None])
-    _cta_barrier(ASM)  # every warp has read the scratch before the next tile writes it
-    return m_new, l_i, acc0, acc1
-
-
-@triton.jit
 def _tile_step_t(q0, q1, qr, c0, c1, kr, keys, kin, lo, hi, qk_scale, m_i, l_i, acc0, acc1,
                  HAS_ROPE: tl.constexpr, BOTH: tl.constexpr, F32: tl.constexpr):
     """``_tile_step`` with keys on the MMA's M side: q* are [cols, BLOCK_M], scores
@@ -372,12 +316,12 @@ def _paged_mla_tma(
     ws_o, ws_m, ws_l, lscale_ptr, flag_ptr,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_cb, stride_ct, stride_tb,
     num_blocks, block_size, heads, P, rope_col, scale, lscale_f, window, chunk, draft, tiles,
-    num_splits, sp_ptr, sm_ptr,
+    num_splits,
     R: tl.constexpr, DVS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr, HAS_ROPE: tl.constexpr, DS_MLA: tl.constexpr, GROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DRAFT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CHUNK: tl.constexpr, F32: tl.constexpr, SCALE_PTR: tl.constexpr, P_FULL: tl.constexpr,
-    SWAP: tl.constexpr, XCHG: tl.constexpr, ASM: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     """Page-contiguous tiles (block_size % BLOCK_N == 0) read by the tensor-memory
     accelerator as two R/2 column halves plus the rope columns, straight into shared
@@ -452,14 +396,6 @@ def _paged_mla_tma(
         acc1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     tb = table_ptr + b * stride_tb
     kn = tl.arange(0, BLOCK_N)
-    if XCHG:  # this program's scratch for the probabilities and row maxima (_tile_step_x)
-        prog = (split * tl.num_programs(0) + pid).to(tl.int64)
-        mrow = tl.arange(0, BLOCK_M)
-        # odd-stride column order: 2-byte accesses, which Triton's pipeliner leaves in place
-        # (a contiguous load would be prefetched a tile early, before this tile's store)
-        p_ptrs = (sp_ptr + prog * (BLOCK_M * BLOCK_N) + mrow[:, None] * BLOCK_N
-                  + (kn[None, :] * 17) % BLOCK_N)
-        m_ptrs = sm_ptr + prog * BLOCK_M + mrow
     for n0 in range(s_lo, t_hi, BLOCK_N):
         keys = n0 + kn
         page = tl.load(tb + n0 // block_size)
@@ -482,10 +418,6 @@ def _paged_mla_tma(
             m_i, l_i, acc0, acc1 = _tile_step_t(q0, q1, qr, c0.to(qdt), c1.to(qdt), kr.to(qdt), keys,
                                                 kin, lo, hi, qk_scale, m_i, l_i, acc0, acc1,
                                                 HAS_ROPE, DVS == 1, F32)
-        elif XCHG:
-            m_i, l_i, acc0, acc1 = _tile_step_x(q0, q1, qr, c0.to(qdt), c1.to(qdt), kr.to(qdt),
-                                                keys, kin, lo, hi, qk_scale, m_i, l_i, acc0, acc1,
-                                                p_ptrs, m_ptrs, HAS_ROPE, DVS == 1, F32, ASM)
         else:
             m_i, l_i, acc0, acc1 = _tile_step(q0, q1, qr, c0.to(qdt), c1.to(qdt), kr.to(qdt), keys,
                                               kin, lo, hi, qk_scale, m_i, l_i, acc0, acc1,
@@ -514,20 +446,19 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     more than it gained in the sweeps)."""
     if interpreting():
         return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
-                    dv_splits=1, num_warps=4, num_stages=1, waves=0.0, swap=False, tma=None,
-                    xchg=False)
+                    dv_splits=1, num_warps=4, num_stages=2, waves=0.0, swap=False, tma=None)
     if f32 or block_size % 32 or fp8:
         # float32 (reference-precision) path, fp8 caches, or blocks TMA tiles do not fit
         bm = 16 if fp8 else min(64, max(16, next_pow2(rows_per_request)))
         return dict(block_m=bm, block_n=16 if f32 else 32, dv_splits=2 if bm == 64 else 1,
                     num_warps=8 if bm == 64 else 4, num_stages=2, waves=2.0, swap=False,
-                    tma=False if fp8 else None, xchg=False)
+                    tma=False if fp8 else None)
     block_n = 64 if block_size % 64 == 0 else 32
     if rows_per_request <= 16:
         return dict(block_m=16, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2,
-                    waves=1.0, swap=True, tma=True, xchg=False)
+                    waves=1.0, swap=True, tma=True)
     return dict(block_m=64, block_n=block_n, dv_splits=1, num_warps=8, num_stages=2, waves=1.0,
-                swap=False, tma=True, xchg=False)
+                swap=False, tma=True)
 
 
 def _splits(work_items: int, max_seq_len: int, waves: float) -> int:
@@ -588,7 +519,6 @@ def paged_mla_latent(
     dv_splits: int | None = None,
     swap: bool | None = None,
     tma: bool | None = None,
-    xchg: bool | None = None,
     check_blocks: bool = True,
 ) -> torch.Tensor:
     """o_latent [T, H, R] (float32; see ``pagedkv.ops.paged_mla.paged_mla_latent``).
@@ -597,9 +527,7 @@ def paged_mla_latent(
     ``splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``dv_splits`` (output
     column slices, each program recomputing the scores) and ``swap`` (keys on the MMA's M side:
     scores computed transposed), ``tma`` (page tiles through tensor descriptors; default: where
-    the layout allows), ``xchg`` (TMA kernel, unswapped tiles: scores computed once across
-    the warpgroups, probabilities handed to the value product through a global scratch)
-    override the launch defaults.
+    the layout allows) override the launch defaults.
     ``check_blocks=False`` skips reading back the out-of-cache flag (one host sync; it is
     also skipped inside CUDA-graph capture).
     """
@@ -645,7 +573,6 @@ def paged_mla_latent(
     dv_splits = dv_splits or cfg["dv_splits"]
     swap = cfg["swap"] if swap is None else bool(swap)
     tma = cfg["tma"] if tma is None else tma
-    xchg = cfg["xchg"] if xchg is None else bool(xchg)
     if dv_splits < 1 or rank % dv_splits or rank // dv_splits < 16:
         raise InvalidArgumentError(
             f"dv_splits={dv_splits} must divide kv_lora_rank {rank} into slices of >= 16")
@@ -675,12 +602,14 @@ def paged_mla_latent(
                   HAS_CHUNK=mask.chunk is not None, F32=f32, SCALE_PTR=scale_ptr,
                   P_FULL=rope_dim == block_p)
     warps, stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
+    # num_stages 1: the TMA kernel is not software-pipelined, and on the H200 it returned
+    # wrong results at long contexts (docs/kernels.md, MLA section); auto picks the pointer kernel
     descs = _tma_descriptors(latent_cache, rank, block_p, block_n) if (
-        tma is not False and dv_splits <= 2 and block_size % block_n == 0) else None
+        tma is not False and dv_splits <= 2 and block_size % block_n == 0 and stages >= 2) else None
     if tma and descs is None:
         raise InvalidArgumentError(
-            f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2 "
-            f"and 16-byte aligned, page-contiguous entries")
+            f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2, "
+            f"num_stages >= 2 (got {stages}) and 16-byte aligned, page-contiguous entries")
     ws = workspace(rows, heads, splits + (descs is not None), rank, q_latent.device)
     args = (query_start_loc, seq_lens, table, *ws, lscale, flag, ql.stride(0), ql.stride(1),
             qr.stride(0), qr.stride(1), latent_cache.stride(0), latent_cache.stride(1),
@@ -688,17 +617,10 @@ def paged_mla_latent(
     masks = (mask.window or 0, mask.chunk or 0, mask.draft_block or 0)
     if batch and rows and descs is not None:
         kd, rd, rope_col = descs
-        xchg = xchg and not swap
-        grid = (batch * tiles * dv_splits, splits)
-        # per-program scratch of _tile_step_x (probabilities in the query dtype, row maxima)
-        sp = torch.empty(grid[0] * splits * block_m * block_n if xchg else 1, dtype=ql.dtype,
-                         device=ql.device)
-        sm = torch.empty(grid[0] * splits * block_m if xchg else 1, dtype=torch.float32,
-                         device=ql.device)
-        _paged_mla_tma[grid](
+        _paged_mla_tma[(batch * tiles * dv_splits, splits)](
             ql, qr, kd, rd, *views, *args, rope_col, scale, lscale_f, *masks, tiles, splits,
-            sp, sm, DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n, SWAP=swap, XCHG=xchg,
-            ASM=not interpreting(), num_warps=warps, num_stages=stages, **common)
+            DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n, SWAP=swap, num_warps=warps,
+            num_stages=stages, **common)
         # the keys of each sequence's last, partly written tile: masked loads, extra split
         tail_tiles = -(-max(1, max_query_len) * heads // 16)
         _paged_mla_fwd[(batch * tail_tiles, 1)](
