@@ -57,6 +57,33 @@ def sweep(family: str, case: str, run, grid: list[dict], ref: torch.Tensor | Non
         print(f"# sweep {case}: best {best[1]} {best[0]:.1f} us", flush=True)
 
 
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after an eager call that compiles it); the
+    returned callable replays it and returns the captured output, so its timing is the
+    kernels' alone, without the host launch path (as in a captured decode step)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def record_graphed(case: str, name: str, fn, nbytes: int, ref, flops: float) -> None:
+    """``record`` of ``fn``'s CUDA-graph replay, as ``name[graph]``."""
+    try:
+        replay = graphed(fn)
+    except Exception as exc:
+        print(f"# {case} {name}[graph]: capture failed ({type(exc).__name__}: {str(exc)[:120]})",
+              flush=True)
+        return
+    record(case, name + "[graph]", replay, nbytes, ref, flops)
+
+
 def tuned_name(family: str) -> str:
     cfg = TUNED[family]
     return "pagedkv_triton[" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "]"
@@ -330,8 +357,9 @@ def mla_grid(rows: int, fp8: bool) -> list[dict]:
 
 
 def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, family=None,
-             do_sweep=False):
-    """``family``: which TUNED entry this shape uses (swept here when ``do_sweep``)."""
+             do_sweep=False, graph=False):
+    """``family``: which TUNED entry this shape uses (swept here when ``do_sweep``);
+    ``graph``: also time pagedkv's rows as CUDA-graph replays."""
     dev = "cuda"
     rank, rope = 512, 64
     case = f"mla B{batch} ctx{ctx} h{heads} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
@@ -375,6 +403,11 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
         sweep(family, case, run, mla_grid(q_len * heads, fmt != "bf16"), ref)
     if TUNED.get(family):
         record(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, ref, flops)
+    if graph:
+        record_graphed(case, "pagedkv_triton", run, nbytes, ref, flops)
+        if TUNED.get(family):
+            record_graphed(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, ref,
+                           flops)
     if not peers or fmt != "bf16":
         return ref
     try:
@@ -409,7 +442,7 @@ def mla_summary() -> None:
     draft-block / fp8 rows against the same kernel's bf16 q1 time."""
     best: dict[tuple[str, bool], float] = {}
     for case, name, us, *_ in ROWS:
-        if case.startswith("mla"):
+        if case.startswith("mla") and not name.endswith("[graph]"):  # eager rows, as the peers
             key = (case, name.startswith("pagedkv"))
             best[key] = min(us, best.get(key, us))
     q1 = {c: us for (c, ours), us in best.items() if ours}
@@ -432,6 +465,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
+    parser.add_argument("--graph", action="store_true",
+                        help="MLA: also time pagedkv's rows as CUDA-graph replays (no host launch cost)")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")
@@ -475,15 +510,15 @@ def main(argv=None) -> int:
             gqa_case(64, 32768, 1, True, fp8=True)
     if args.only != "gqa":
         sw = not args.no_mla_sweep
-        mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw)
-        mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw)
-        mla_case(64, 8192, 16, 7, True, family="mla_rows")
-        mla_case(64, 8192, 128, 1, True, family="mla_h128", do_sweep=sw)
-        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla", family="mla_ds", do_sweep=sw)
-        mla_case(64, 8192, 16, 1, True, fmt="fp8", family="mla_fp8", do_sweep=sw)
+        mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 7, True, family="mla_rows", graph=args.graph)
+        mla_case(64, 8192, 128, 1, True, family="mla_h128", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla", family="mla_ds", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8", family="mla_fp8", do_sweep=sw, graph=args.graph)
         if not args.quick:
-            mla_case(64, 8192, 128, 7, False, family="mla_h128")
-            mla_case(128, 8192, 16, 1, True, family="mla_q1")
+            mla_case(64, 8192, 128, 7, False, family="mla_h128", graph=args.graph)
+            mla_case(128, 8192, 16, 1, True, family="mla_q1", graph=args.graph)
         mla_summary()
     if args.out:
         with open(args.out, "w") as fh:
