@@ -21,6 +21,7 @@ import argparse
 import datetime
 import math
 import sys
+import time
 import traceback
 
 import torch
@@ -73,8 +74,23 @@ def graphed(fn):
     return replay
 
 
+def host_us(fn, calls: int = 50) -> float:
+    """Host microseconds per eager call (enqueue only: 50 calls stay far below the launch
+    queue's depth, so the host is not held back by the device)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * host / calls
+
+
 def record_graphed(case: str, name: str, fn, nbytes: int, ref, flops: float) -> None:
-    """``record`` of ``fn``'s CUDA-graph replay, as ``name[graph]``."""
+    """``record`` of ``fn``'s CUDA-graph replay, as ``name[graph]``, after the host time of
+    one eager call (is the eager row host-bound?)."""
+    print(f"# {case} {name}: host {host_us(fn):.1f} us per eager call", flush=True)
     try:
         replay = graphed(fn)
     except Exception as exc:
