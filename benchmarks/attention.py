@@ -22,6 +22,7 @@ import argparse
 import datetime
 import math
 import sys
+import time
 import traceback
 
 import torch
@@ -37,23 +38,67 @@ COPY_GBS = [0.0]
 TUNED: dict[str, dict | None] = {"gqa": {}, "gqa_q7": None, "gqa_fp8": {}, "mla": {}}  # best launch config of each family's sweep
 
 
-def sweep(family: str, case: str, run, grid: list[dict]) -> None:
-    """Time each launch config on this case; the fastest becomes TUNED[family]."""
+def sweep(family: str, case: str, run, grid: list[dict], ref: torch.Tensor | None = None) -> None:
+    """Time each launch config on this case; the fastest becomes TUNED[family]. With ``ref``
+    each config's output is also compared with it (relerr printed)."""
     best = None
     for cfg in grid:
         try:
-            run(**cfg)
+            out = run(**cfg)
+            err = f", relerr {relerr(out, ref):.1e}" if ref is not None else ""
             us = 1e3 * triton.testing.do_bench(lambda cfg=cfg: run(**cfg), warmup=5, rep=20,
                                                return_mode="median")
         except Exception as exc:
-            print(f"# sweep {case} {cfg}: failed ({type(exc).__name__})", flush=True)
+            print(f"# sweep {case} {cfg}: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
             continue
-        print(f"# sweep {case} {cfg}: {us:.1f} us", flush=True)
+        print(f"# sweep {case} {cfg}: {us:.1f} us{err}", flush=True)
         if best is None or us < best[0]:
             best = (us, cfg)
     if best:
         TUNED[family] = best[1]
         print(f"# sweep {case}: best {best[1]} {best[0]:.1f} us", flush=True)
+
+
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after an eager call that compiles it); the
+    returned callable replays it and returns the captured output, so its timing is the
+    kernels' alone, without the host launch path (as in a captured decode step)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host microseconds per eager call (enqueue only: 50 calls stay far below the launch
+    queue's depth, so the host is not held back by the device)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * host / calls
+
+
+def record_graphed(case: str, name: str, fn, nbytes: int, ref, flops: float) -> None:
+    """``record`` of ``fn``'s CUDA-graph replay, as ``name[graph]``, after the host time of
+    one eager call (is the eager row host-bound?)."""
+    print(f"# {case} {name}: host {host_us(fn):.1f} us per eager call", flush=True)
+    try:
+        replay = graphed(fn)
+    except Exception as exc:
+        print(f"# {case} {name}[graph]: capture failed ({type(exc).__name__}: {str(exc)[:120]})",
+              flush=True)
+        return
+    record(case, name + "[graph]", replay, nbytes, ref, flops)
 
 
 def tuned_name(family: str) -> str:
@@ -362,23 +407,24 @@ def flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops,
 # ---------------------------------------------------------------- MLA
 def mla_grid(rows: int, fp8: bool) -> list[dict]:
     """Launch configs swept per MLA shape family (rows = q_len x heads per request): the
-    pointer kernel (per-tile addresses, optionally transposed scores) and the TMA kernel."""
-    def cfg(bm, bn, dvs, w, st, tma, swap=False):
-        return dict(block_m=bm, block_n=bn, dv_splits=dvs, num_warps=w, num_stages=st, tma=tma, swap=swap)
+    pointer kernel (per-tile addresses, optionally transposed scores) and the TMA kernel
+    (``num_stages`` 3 also prefetches the page ids; 1 is refused: see docs/kernels.md)."""
+    def cfg(bm, bn, w, st, tma, swap=False, splits=1):
+        return dict(block_m=bm, block_n=bn, dv_splits=1, num_warps=w, num_stages=st, tma=tma,
+                    swap=swap, splits=splits)
     if rows <= 32:
         if fp8:
-            base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 32, 1, 4, 2, False), cfg(16, 32, 1, 4, 3, True, True)]
-            return [dict(c, splits=sp) for c in base for sp in (2, 4)]
-        base = [cfg(16, 64, 1, 4, 2, False), cfg(16, 64, 1, 4, 2, True, True), cfg(16, 32, 1, 4, 3, True, True),
-                cfg(64, 64, 1, 8, 2, True)]
-        return [dict(c, splits=sp) for c in base for sp in (2, 4, 6)]
-    base = [cfg(64, 64, 1, 8, 2, True), cfg(32, 64, 1, 8, 2, True, True), cfg(16, 64, 1, 4, 2, True, True)]
-    return [dict(c, splits=sp) for c in base for sp in (1, 2)]
+            return [cfg(16, 32, 4, 2, False, splits=4), cfg(16, 32, 4, 3, False, splits=4),
+                    cfg(16, 32, 8, 3, True, True, splits=4)]
+        return [cfg(16, 64, 4, 2, True, True, splits=2), cfg(16, 64, 4, 2, True, True, splits=4),
+                cfg(16, 64, 4, 3, True, True, splits=2), cfg(16, 64, 4, 3, True, True, splits=4)]
+    return [cfg(64, 64, 8, 2, True), cfg(64, 64, 8, 2, True, splits=2)]
 
 
 def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, family=None,
-             do_sweep=False):
-    """``family``: which TUNED entry this shape uses (swept here when ``do_sweep``)."""
+             do_sweep=False, graph=False):
+    """``family``: which TUNED entry this shape uses (swept here when ``do_sweep``);
+    ``graph``: also time pagedkv's rows as CUDA-graph replays."""
     dev = "cuda"
     rank, rope = 512, 64
     case = f"mla B{batch} ctx{ctx} h{heads} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
@@ -419,9 +465,14 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
 
     record(case, "pagedkv_triton", run, nbytes, ref, flops)
     if do_sweep:
-        sweep(family, case, run, mla_grid(q_len * heads, fmt != "bf16"))
+        sweep(family, case, run, mla_grid(q_len * heads, fmt != "bf16"), ref)
     if TUNED.get(family):
         record(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, ref, flops)
+    if graph:
+        record_graphed(case, "pagedkv_triton", run, nbytes, ref, flops)
+        if TUNED.get(family):
+            record_graphed(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, ref,
+                           flops)
     if not peers or fmt != "bf16":
         return ref
     try:
@@ -456,7 +507,7 @@ def mla_summary() -> None:
     draft-block / fp8 rows against the same kernel's bf16 q1 time."""
     best: dict[tuple[str, bool], float] = {}
     for case, name, us, *_ in ROWS:
-        if case.startswith("mla"):
+        if case.startswith("mla") and not name.endswith("[graph]"):  # eager rows, as the peers
             key = (case, name.startswith("pagedkv"))
             best[key] = min(us, best.get(key, us))
     q1 = {c: us for (c, ours), us in best.items() if ours}
@@ -479,6 +530,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
+    parser.add_argument("--graph", action="store_true",
+                        help="MLA: also time pagedkv's rows as CUDA-graph replays (no host launch cost)")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")
@@ -527,15 +580,15 @@ def main(argv=None) -> int:
             gqa_case(64, 32768, 1, True, fp8=True)
     if args.only != "gqa":
         sw = not args.no_mla_sweep
-        mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw)
-        mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw)
-        mla_case(64, 8192, 16, 7, True, family="mla_rows")
-        mla_case(64, 8192, 128, 1, True, family="mla_h128", do_sweep=sw)
-        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla", family="mla_ds", do_sweep=sw)
-        mla_case(64, 8192, 16, 1, True, fmt="fp8", family="mla_fp8", do_sweep=sw)
+        mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 7, True, family="mla_rows", graph=args.graph)
+        mla_case(64, 8192, 128, 1, True, family="mla_h128", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla", family="mla_ds", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8", family="mla_fp8", do_sweep=sw, graph=args.graph)
         if not args.quick:
-            mla_case(64, 8192, 128, 7, False, family="mla_h128")
-            mla_case(128, 8192, 16, 1, True, family="mla_q1")
+            mla_case(64, 8192, 128, 7, False, family="mla_h128", graph=args.graph)
+            mla_case(128, 8192, 16, 1, True, family="mla_q1", graph=args.graph)
         mla_summary()
     if args.out:
         with open(args.out, "w") as fh:

@@ -209,6 +209,8 @@ LAUNCHES = [  # (cache block size, mask case, rope width, kernel launch override
     (16, "bidirectional", ROPE, dict(block_m=64, block_n=32, dv_splits=1, splits=2)),  # per-key ids
     (16, "draft_block_7", 16, dict(block_m=32, block_n=16, dv_splits=1, splits=2, swap=True)),
     (16, "causal", ROPE, dict(block_m=16, block_n=16, dv_splits=2, splits=1, swap=True, tma=False)),
+    # num_stages 1 with automatic TMA choice: the pointer kernel (unpipelined TMA is refused)
+    (16, "draft_block_7", ROPE, dict(block_m=32, block_n=16, splits=2, num_stages=1)),
 ]
 
 
@@ -232,6 +234,18 @@ def test_triton_launch_configs_match_naive_mla(block_size, case, rope, launch):
                                **EXACT["triton"])
 
 
+def test_triton_rejects_unpipelined_tma_tiles():
+    pytest.importorskip("triton")
+    from pagedkv.ops.triton.mla import paged_mla_latent as triton_mla_latent
+
+    sc = make_cache([9], 16, "bf16")
+    q_nope, q_rope, qsl, seq_lens = queries([(9, 1)])
+    w_uk, _ = weights()
+    with pytest.raises(InvalidArgumentError, match="num_stages >= 2"):
+        triton_mla_latent(absorb_query(q_nope, w_uk), q_rope, sc.cache, qsl, seq_lens, sc.table,
+                          scale=0.3, block_n=16, tma=True, num_stages=1)
+
+
 def test_triton_rejects_a_bad_column_split():
     pytest.importorskip("triton")
     from pagedkv.ops.triton.mla import paged_mla_latent as triton_mla_latent
@@ -242,3 +256,43 @@ def test_triton_rejects_a_bad_column_split():
     with pytest.raises(InvalidArgumentError, match="dv_splits"):
         triton_mla_latent(absorb_query(q_nope, w_uk), q_rope, sc.cache, qsl, seq_lens, sc.table,
                           scale=0.3, dv_splits=3)
+
+
+BF16_LAUNCHES = [  # (mask case, launch overrides); heads 16, rank 512 + 64, block size 64
+    ("causal", {}),  # 64-row TMA tiles
+    ("draft_block_7", {}),
+    ("causal", dict(block_m=16, swap=True, num_stages=3)),  # the decode tiles, transposed
+]
+
+
+@pytest.mark.parametrize("case,launch", BF16_LAUNCHES)
+def test_triton_bf16_queries_match_float64_latent_attention(case, launch):
+    """The tensor-core paths (bf16 queries: what an engine runs; the tests above use float32
+    queries and so the kernel's exact path) against float64 attention over the latent."""
+    pytest.importorskip("triton")
+    if DEVICE.type != "cuda":
+        pytest.skip("bf16 tensor-core kernels: a GPU run covers this case")
+    from pagedkv.ops.triton.mla import paged_mla_latent as triton_mla_latent
+
+    heads, rank, rope = 16, 512, 64
+    mask, seqs = CASES[case]
+    seqs = seqs[:8]
+    sc = make_cache([s for s, _ in seqs], 64, "bf16", rope=rope, rank=rank, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    rows = sum(q for _, q in seqs)
+    q_lat = (torch.randn(rows, heads, rank, generator=gen) / 8).bfloat16()
+    q_rope = (torch.randn(rows, heads, rope, generator=gen) / 8).bfloat16()
+    _, _, qsl, seq_lens = queries(seqs, rope=rope)
+    scale = 1 / math.sqrt(192)
+    got = triton_mla_latent(q_lat.to(DEVICE), q_rope.to(DEVICE), sc.cache, qsl, seq_lens,
+                            sc.table, scale=scale, mask=mask, **launch).double().cpu()
+    assert not bool(got.isnan().any())
+    eye = torch.eye(rank, dtype=torch.float64).expand(heads, rank, rank)
+    start = 0
+    for b, (seq_len, q_len) in enumerate(seqs):
+        m = dense_mask(seq_len, q_len, causal=mask.causal, draft_block=mask.draft_block)
+        lat = sc.latents[b]
+        want = dense_mla(q_lat[start:start + q_len], q_rope[start:start + q_len], lat[:, :rank],
+                         lat[:, rank:], eye, eye, m, scale=scale)
+        torch.testing.assert_close(got[start:start + q_len], want, rtol=1e-2, atol=1e-2)
+        start += q_len

@@ -446,7 +446,7 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     more than it gained in the sweeps)."""
     if interpreting():
         return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
-                    dv_splits=1, num_warps=4, num_stages=1, waves=0.0, swap=False, tma=None)
+                    dv_splits=1, num_warps=4, num_stages=2, waves=0.0, swap=False, tma=None)
     if f32 or block_size % 32 or fp8:
         # float32 (reference-precision) path, fp8 caches, or blocks TMA tiles do not fit
         bm = 16 if fp8 else min(64, max(16, next_pow2(rows_per_request)))
@@ -602,12 +602,14 @@ def paged_mla_latent(
                   HAS_CHUNK=mask.chunk is not None, F32=f32, SCALE_PTR=scale_ptr,
                   P_FULL=rope_dim == block_p)
     warps, stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
+    # num_stages 1: the TMA kernel is not software-pipelined, and on the H200 it returned
+    # wrong results at long contexts (docs/kernels.md, MLA section); auto picks the pointer kernel
     descs = _tma_descriptors(latent_cache, rank, block_p, block_n) if (
-        tma is not False and dv_splits <= 2 and block_size % block_n == 0) else None
+        tma is not False and dv_splits <= 2 and block_size % block_n == 0 and stages >= 2) else None
     if tma and descs is None:
         raise InvalidArgumentError(
-            f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2 "
-            f"and 16-byte aligned, page-contiguous entries")
+            f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2, "
+            f"num_stages >= 2 (got {stages}) and 16-byte aligned, page-contiguous entries")
     ws = workspace(rows, heads, splits + (descs is not None), rank, q_latent.device)
     args = (query_start_loc, seq_lens, table, *ws, lscale, flag, ql.stride(0), ql.stride(1),
             qr.stride(0), qr.stride(1), latent_cache.stride(0), latent_cache.stride(1),
