@@ -10,10 +10,10 @@ timed), torch flex_attention with a paged block mask, FlashInfer (tensor-core de
 paged prefill, MLA fa3) and FlashMLA (sgl-flash-mla, legacy SM90 dense path). ``relerr``
 is each output's relative Frobenius distance to pagedkv's triton output for that shape.
 
-Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md]
-GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers] [--graphs]
-(every GQA row also timed as CUDA-graph replays, no host launch path); the GQA part ends with
-the issue's GQA targets computed from the same run, per timing mode.
+Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md] [--graphs]
+(pagedkv's rows, and the GQA peers, also timed as CUDA-graph replays: no host launch path)
+GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers]; the GQA
+part ends with the issue's GQA targets computed from the same run, per timing mode.
 """
 
 from __future__ import annotations
@@ -59,22 +59,6 @@ def sweep(family: str, case: str, run, grid: list[dict], ref: torch.Tensor | Non
         print(f"# sweep {case}: best {best[1]} {best[0]:.1f} us", flush=True)
 
 
-def graphed(fn):
-    """``fn`` captured once in a CUDA graph (after an eager call that compiles it); the
-    returned callable replays it and returns the captured output, so its timing is the
-    kernels' alone, without the host launch path (as in a captured decode step)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-    return replay
-
-
 def host_us(fn, calls: int = 50) -> float:
     """Host microseconds per eager call (enqueue only: 50 calls stay far below the launch
     queue's depth, so the host is not held back by the device)."""
@@ -88,17 +72,10 @@ def host_us(fn, calls: int = 50) -> float:
     return 1e6 * host / calls
 
 
-def record_graphed(case: str, name: str, fn, nbytes: int, ref, flops: float) -> None:
-    """``record`` of ``fn``'s CUDA-graph replay, as ``name[graph]``, after the host time of
-    one eager call (is the eager row host-bound?)."""
+def record_graphed(case: str, name: str, fn, nbytes: int, flops: float) -> None:
+    """The host time of one eager call (is the eager row host-bound?), then ``record_graph``."""
     print(f"# {case} {name}: host {host_us(fn):.1f} us per eager call", flush=True)
-    try:
-        replay = graphed(fn)
-    except Exception as exc:
-        print(f"# {case} {name}[graph]: capture failed ({type(exc).__name__}: {str(exc)[:120]})",
-              flush=True)
-        return
-    record(case, name + "[graph]", replay, nbytes, ref, flops)
+    record_graph(case, name, fn, nbytes, flops)
 
 
 def tuned_name(family: str) -> str:
@@ -134,7 +111,7 @@ def record(case: str, name: str, fn, nbytes: int, ref: torch.Tensor | None, flop
     return out
 
 
-GRAPHS = [False]  # --graphs: GQA rows also timed as CUDA-graph replays (no host launch path)
+GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
 
 
 def graph_bench(fn) -> float:
@@ -469,10 +446,9 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
     if TUNED.get(family):
         record(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, ref, flops)
     if graph:
-        record_graphed(case, "pagedkv_triton", run, nbytes, ref, flops)
+        record_graphed(case, "pagedkv_triton", run, nbytes, flops)
         if TUNED.get(family):
-            record_graphed(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, ref,
-                           flops)
+            record_graphed(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, flops)
     if not peers or fmt != "bf16":
         return ref
     try:
@@ -530,13 +506,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
-    parser.add_argument("--graph", action="store_true",
-                        help="MLA: also time pagedkv's rows as CUDA-graph replays (no host launch cost)")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")
-    parser.add_argument("--graphs", action="store_true",
-                        help="GQA: also time every row as CUDA-graph replays")
+    parser.add_argument("--graphs", "--graph", action="store_true",
+                        help="also time pagedkv's rows (and GQA peers) as CUDA-graph replays: no "
+                             "host launch path; MLA rows also print one eager call's host time")
     parser.add_argument("--no-draft-peers", action="store_true",
                         help="GQA: time no peers on the 7-token shapes")
     args = parser.parse_args(argv)
@@ -580,15 +555,15 @@ def main(argv=None) -> int:
             gqa_case(64, 32768, 1, True, fp8=True)
     if args.only != "gqa":
         sw = not args.no_mla_sweep
-        mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw, graph=args.graph)
-        mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw, graph=args.graph)
-        mla_case(64, 8192, 16, 7, True, family="mla_rows", graph=args.graph)
-        mla_case(64, 8192, 128, 1, True, family="mla_h128", do_sweep=sw, graph=args.graph)
-        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla", family="mla_ds", do_sweep=sw, graph=args.graph)
-        mla_case(64, 8192, 16, 1, True, fmt="fp8", family="mla_fp8", do_sweep=sw, graph=args.graph)
+        mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw, graph=args.graphs)
+        mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw, graph=args.graphs)
+        mla_case(64, 8192, 16, 7, True, family="mla_rows", graph=args.graphs)
+        mla_case(64, 8192, 128, 1, True, family="mla_h128", do_sweep=sw, graph=args.graphs)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8_ds_mla", family="mla_ds", do_sweep=sw, graph=args.graphs)
+        mla_case(64, 8192, 16, 1, True, fmt="fp8", family="mla_fp8", do_sweep=sw, graph=args.graphs)
         if not args.quick:
-            mla_case(64, 8192, 128, 7, False, family="mla_h128", graph=args.graph)
-            mla_case(128, 8192, 16, 1, True, family="mla_q1", graph=args.graph)
+            mla_case(64, 8192, 128, 7, False, family="mla_h128", graph=args.graphs)
+            mla_case(128, 8192, 16, 1, True, family="mla_q1", graph=args.graphs)
         mla_summary()
     if args.out:
         with open(args.out, "w") as fh:
