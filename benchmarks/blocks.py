@@ -155,7 +155,11 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
                decode: int = 128, bs: int = 16, seed: int = 0, hash_algo: str = DEFAULT_HASH,
                elastic: bool = True) -> dict:
     """The peer script's loop, call for call, with pagedkv's manager (elastic: one budget
-    of ``num_blocks`` blocks' bytes, mapped in 2 MiB pages as blocks fill)."""
+    of ``num_blocks`` blocks' bytes, mapped in 2 MiB pages as blocks fill). One call each
+    way per request per step, as the peer calls vLLM's manager; a preemption is timed as
+    the peer times vLLM's ``free`` there; and once per step the ``drain_page_ops`` +
+    ``drain_copy_ops`` an engine makes to launch the step (``step_ops``: no vLLM
+    counterpart, counted in pagedkv's total)."""
     rng = random.Random(seed)
     system = [rng.randrange(128000) for _ in range(prefix)]
     suffixes = [[rng.randrange(128000) for _ in range(suffix)] for _ in range(requests)]
@@ -168,7 +172,7 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
     mgr = KVCacheManager(groups, max_batched_tokens=token_budget, checked=False,
                          hash_algo=hash_algo, **extra)
     t = {"lookup": [0, 0], "alloc_prefill": [0, 0], "alloc_decode": [0, 0], "commit": [0, 0],
-         "free": [0, 0], "add_request": [0, 0]}
+         "free": [0, 0], "add_request": [0, 0], "step_ops": [0, 0]}
 
     def add(key: str, dt: int) -> None:
         t[key][0] += 1
@@ -193,7 +197,9 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
             add("alloc_decode", ns() - a)
             if not ok:
                 victim = running.pop()
-                mgr.preempt(victim)
+                a = ns()
+                mgr.preempt(victim)  # vLLM's harness times its free() here
+                add("free", ns() - a)
                 waiting.insert(0, victim)
                 preemptions += 1
                 continue
@@ -228,6 +234,12 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
             budget -= n_new
             admitted += 1
             running.append(r)
+        # launch the step, as an engine must: page maps/unmaps, then the copy ops (vLLM's
+        # manager has neither; this is work pagedkv's side adds, so it is timed)
+        a = ns()
+        mgr.drain_page_ops()
+        mgr.drain_copy_ops()
+        add("step_ops", ns() - a)
         for r, n in scheduled:
             tok = [out_tokens[(mgr.num_tokens(r)) & 4095]]  # the "sampler", outside the timer
             a = ns()
