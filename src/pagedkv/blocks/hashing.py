@@ -41,6 +41,9 @@ ROOT_SEED = 0x5EED_BA5E
 def _extend_fast(tokens: Sequence[int], start: int, stop: int, bs: int, parent: int,
                  out: list) -> None:
     # no memo: a tuple hash per block costs less than the uint32 keys a memo would need
+    if stop - start == 1:  # a block filled while decoding: the same tuple, without zip's setup
+        out.append(hash((parent, tuple(tokens[start * bs:stop * bs]))))
+        return
     h = parent
     append = out.append
     for block in zip(*[iter(tokens[start * bs:stop * bs])] * bs):  # blocks cut in C
