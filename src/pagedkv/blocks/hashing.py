@@ -187,6 +187,33 @@ HASH_ALGOS = tuple(_ALGOS)
 MULTI_TENANT_SAFE = frozenset({DEFAULT_HASH})
 
 
+def _one_fast(parent: int, block: Sequence[int]) -> int:
+    return hash((parent, tuple(block)))
+
+
+def _one_sha256(parent: int, block: Sequence[int]) -> int:
+    return int.from_bytes(hashlib.sha256(parent.to_bytes(32, "little") + _block_bytes(block))
+                          .digest(), "little")
+
+
+def block_hasher(algo: str) -> Callable[[int, Sequence[int]], int]:
+    """``one(parent, block_tokens)``: the key the extender named ``algo`` gives that one
+    block chained on ``parent`` (a block filled while decoding, without the extender's
+    setup for runs)."""
+    if algo == FAST_HASH:
+        return _one_fast
+    if algo == DEFAULT_HASH:
+        return _one_sha256
+    extend = hash_extender(algo)
+
+    def one(parent: int, block: Sequence[int]) -> int:
+        out: list[int] = []
+        extend(block, 0, 1, len(block), parent, out)
+        return out[0]
+
+    return one
+
+
 def hash_extender(algo: str) -> Extender:
     """The block-hash function named ``algo`` (see the module docstring)."""
     if algo not in _ALGOS:
