@@ -39,7 +39,7 @@ import sys
 import time
 
 from pagedkv.blocks import KVCacheManager
-from pagedkv.blocks.hashing import DEFAULT_HASH, FAST_HASH, HASH_ALGOS, hash_extender
+from pagedkv.blocks.hashing import DEFAULT_HASH, FAST_HASH, HASH_ALGOS, clear_memo, hash_extender
 from pagedkv.kvspec import AttentionKV, Full, LayerSpec, SlidingWindow
 from pagedkv.kvspec.attention import Attention
 from pagedkv.plan.types import Group
@@ -171,6 +171,7 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
                  "max_model_len": prefix + suffix + decode + 64}
     mgr = KVCacheManager(groups, max_batched_tokens=token_budget, checked=False,
                          hash_algo=hash_algo, **extra)
+    clear_memo()  # as a fresh process: an earlier round's prompts must not be memoised
     t = {"lookup": [0, 0], "alloc_prefill": [0, 0], "alloc_decode": [0, 0], "commit": [0, 0],
          "free": [0, 0], "add_request": [0, 0], "step_ops": [0, 0]}
 
@@ -288,6 +289,7 @@ def bench_calls(hash_algo: str = DEFAULT_HASH, running: int = 256, steps: int = 
     mgr = KVCacheManager(groups, max_batched_tokens=8192, checked=False, hash_algo=hash_algo,
                          budget_bytes=20000 * groups[0].page_bytes, max_model_len=1424 + 64)
     prompts = [prefix + [rng.randrange(128000) for _ in range(256)] for _ in range(running)]
+    clear_memo()
     t = {k: [0, 0] for k in ("add_request", "lookup", "alloc_prefill", "alloc_decode",
                              "alloc_boundary", "commit_decode", "commit_boundary", "free")}
     reqs = mgr.requests

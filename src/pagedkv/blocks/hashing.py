@@ -165,6 +165,13 @@ _SHA_CHUNKS: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}
 _SHA_CHUNKS_MAX = 1 << 13
 
 
+def clear_memo() -> None:
+    """Forget every memoised ``sha256`` link and run (the state of a fresh process; the
+    benchmarks start each run from it so that one run's prompts do not speed up the next)."""
+    _SHA_MEMO.clear()
+    _SHA_CHUNKS.clear()
+
+
 def _xxh3_extender() -> Extender:
     try:
         import xxhash
