@@ -187,6 +187,16 @@ class ElasticPool(BlockPool):
                 group[b] = group_id
                 self.used[group_id] += 1
                 return [b]
+        if not self.free and self.fresh >= self.num_blocks and n <= len(self.evictable):
+            # no plain id left (a pool full of cached blocks, the steady state of a busy
+            # cache): each block is the LRU's oldest, as _take_one takes it then
+            evict = self._evict_oldest
+            out = [evict() for _ in range(n)]
+            for b in out:
+                ref[b] = 1
+                group[b] = group_id
+            self.used[group_id] += n
+            return out
         out = self._take_lowest(n)
         while len(out) < n:
             out.append(self._take_one())

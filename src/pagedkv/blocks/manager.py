@@ -438,9 +438,15 @@ class KVCacheManager:
                 if ledger is None:
                     if k > pool.num_free():
                         return False
-                elif (k > pool.num_plain_free()
-                      or k * pool.worst_bytes > ledger.free_bytes()):  # type: ignore[attr-defined]
-                    return self._grow_exact(req, end, ledger)
+                else:
+                    plain = pool.num_plain_free()
+                    if k > plain:
+                        # no plain id at all: the pool's own LRU, on mapped pages (no new
+                        # bytes: what _grow_exact decides then); else count exactly
+                        if plain or k > len(pool.evictable):
+                            return self._grow_exact(req, end, ledger)
+                    elif k * pool.worst_bytes > ledger.free_bytes():  # type: ignore[attr-defined]
+                        return self._grow_exact(req, end, ledger)
                 table += pool.allocate(k, m.gid)
             n = len(table) * bs
             req.fast_limit = req.slot_limit = n
