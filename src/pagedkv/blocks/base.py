@@ -226,12 +226,15 @@ class GroupManager:
 
     def free(self, req: RequestState) -> None:
         """Release every block; the tail first, so the LRU evicts tails before prefixes."""
-        self.release_copy_source(req)
-        table = req.tables[self.index]
+        i = self.index
+        if req.copy_src[i] is not None:
+            self.release_copy_source(req)
+        table = req.tables[i]
         if table:
             self.pool.release(table[::-1], self.gid)
-            req.tables[self.index] = []
-        self.drop_unwritten(req)
+            req.tables[i] = []
+        if req.unwritten[i]:
+            self.drop_unwritten(req)
 
     # --- arithmetic --------------------------------------------------------------------
     def admission_blocks(self, num_tokens: int, max_batched_tokens: int) -> int:
