@@ -46,7 +46,10 @@ def _extend_fast(tokens: Sequence[int], start: int, stop: int, bs: int, parent: 
         return
     h = parent
     append = out.append
-    for block in zip(*[iter(tokens[start * bs:stop * bs])] * bs):  # blocks cut in C
+    # a whole prompt's blocks straight from its list (zip drops a partial tail block)
+    run = iter(tokens) if start == 0 and len(tokens) // bs == stop else iter(
+        tokens[start * bs:stop * bs])
+    for block in zip(*[run] * bs):  # blocks cut in C
         h = hash((h, block))
         append(h)
 
@@ -88,15 +91,21 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
     sha256 = hashlib.sha256
     from_bytes = int.from_bytes
     h = parent.to_bytes(32, "little")
-    run = tokens[start * bs:stop * bs]
     if stop - start == 1:  # a block filled while decoding: one link, not worth a memo entry
-        out.append(from_bytes(sha256(h + _block_bytes(run)).digest(), "little"))
+        block = tokens[start * bs:stop * bs]
+        out.append(from_bytes(sha256(h + _block_bytes(block)).digest(), "little"))
         return
     append = out.append
     arr = array("I")
     try:  # one conversion for the whole range: the common case
-        arr.fromlist(run if type(run) is list else list(run))  # faster than array("I", run)
-        buf = arr.tobytes()
+        if start == 0 and type(tokens) is list and len(tokens) // bs == stop:
+            # a whole prompt: no slice of its list
+            arr.fromlist(tokens)  # faster than array("I", run)
+            buf = arr.tobytes()[:stop * bs * 4]  # less any partial tail block
+        else:
+            run = tokens[start * bs:stop * bs]
+            arr.fromlist(run if type(run) is list else list(run))
+            buf = arr.tobytes()
     except OverflowError:
         for lo in range(start * bs, stop * bs, bs):
             h = sha256(h + _block_bytes(tokens[lo:lo + bs])).digest()
