@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-from functools import partial
-from itertools import takewhile
-from operator import is_not
-
 from pagedkv.blocks.base import GroupManager
 from pagedkv.blocks.request import RequestState
 from pagedkv.kvspec.retention import cdiv
-
-_is_block = partial(is_not, None)  # a cache lookup that found a block
 
 
 class FullManager(GroupManager):
     def find_hit(self, req: RequestState, max_tokens: int) -> tuple[int, list[int]]:
         if not self.caching:
             return 0, []
-        # the cached blocks of the leading hashes, up to the first miss (the loop runs in C)
-        blocks = list(takewhile(_is_block, map(
-            self.cache.get, req.hashes[self.bs][:self.hit_block_limit(req, max_tokens)])))
+        get = self.cache.get
+        blocks: list[int] = []
+        for h in req.hashes[self.bs][:self.hit_block_limit(req, max_tokens)]:
+            b = get(h)
+            if b is None:
+                break
+            blocks.append(b)
         bs = self.bs
         tokens = min(max_tokens, len(blocks) * bs - self.offset)
         if tokens > 0 and tokens % bs and not self.partial_ok(blocks[tokens // bs]):
