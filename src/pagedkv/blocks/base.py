@@ -86,11 +86,8 @@ class GroupManager:
         if not hit:
             return self.blocks_needed(req, end, hit), []
         ref = self.pool.ref
-        if 0 in map(ref.__getitem__, hit):  # some hit block is unreferenced (or null)
-            null = self.pool.null
-            revived = [b for b in hit if b != null and ref[b] == 0]
-        else:  # the usual case, a prefix other running requests hold: checked in C
-            revived = []
+        null = self.pool.null
+        revived = [b for b in hit if b != null and ref[b] == 0]
         if type(self).blocks_needed is GroupManager.blocks_needed:  # its sum, not done twice
             adopted = len(hit) - (1 if req.pending.tokens % self.bs else 0)
             return max(0, cdiv(end, self.bs) - adopted), revived

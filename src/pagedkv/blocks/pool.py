@@ -105,10 +105,6 @@ class BlockPool:
         """Take a reference on cached blocks of ``group_id`` (a prefix hit); pulls them
         out of the LRU."""
         ref = self.ref
-        if 0 not in map(ref.__getitem__, blocks):  # all held already (a shared prefix)
-            for b in blocks:
-                ref[b] += 1
-            return
         evictable = self.evictable
         null = self.null
         revived = 0
