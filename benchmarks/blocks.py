@@ -13,7 +13,9 @@
    are hashed by ``add_request``, as vLLM hashes them when it creates the Request).
 3. Hashing throughput of each algorithm, tokens per second (block size 16 and 64).
 4. The vLLM-shaped continuous-batching loop (``--only loop``): same workload as
-   ../shared/peers/vllm_blocks_bench.py, timing each manager call (hash x elastic/fixed).
+   ../shared/peers/vllm_blocks_bench.py, timing each manager call (hash x elastic/fixed),
+   preemptions and the once-per-step ``drain_page_ops`` + ``drain_copy_ops`` included;
+   each run starts with an empty sha256 memo, as a fresh process would.
 5. ``--only vllm``: that loop against vLLM 0.34.0's own manager (the peer harness, in its
    venv), interleaved rounds in one window; total manager time per request, hashing
    included, with pagedkv's default hash and with the fast single-tenant one.
