@@ -41,7 +41,16 @@ import sys
 import time
 
 from pagedkv.blocks import KVCacheManager
-from pagedkv.blocks.hashing import DEFAULT_HASH, FAST_HASH, HASH_ALGOS, clear_memo, hash_extender
+from pagedkv.blocks.hashing import DEFAULT_HASH, FAST_HASH, HASH_ALGOS, hash_extender
+
+try:
+    from pagedkv.blocks.hashing import clear_memo
+except ImportError:  # an older tree given to --baseline-src: its memo dicts by hand
+    def clear_memo() -> None:
+        from pagedkv.blocks import hashing
+
+        for name in ("_SHA_MEMO", "_SHA_CHUNKS"):
+            getattr(hashing, name, {}).clear()
 from pagedkv.kvspec import AttentionKV, Full, LayerSpec, SlidingWindow
 from pagedkv.kvspec.attention import Attention
 from pagedkv.plan.types import Group
@@ -357,26 +366,66 @@ def vllm_total_us_per_request(python: str, requests: int) -> dict:
             "preemptions": res["preemptions"]}
 
 
-def bench_vs_vllm(python: str, rounds: int, requests: int) -> dict:
+def _loops_in(src: str, requests: int) -> dict[str, dict]:
+    """This file's ``bench_loop`` (both hashes) in a fresh process importing pagedkv from
+    ``src`` (another tree's ``src/``, e.g. the code before a change)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import blocks as B; "
+            "print(json.dumps([B.bench_loop(int(sys.argv[2]), hash_algo=a) "
+            f"for a in ({DEFAULT_HASH!r}, {FAST_HASH!r})]))")
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
+                          str(requests)], check=True, capture_output=True, text=True,
+                         env=env).stdout
+    default, fast = json.loads(out)
+    return {DEFAULT_HASH: default, FAST_HASH: fast}
+
+
+def bench_vs_vllm(python: str, rounds: int, requests: int, baseline_src: str | None = None
+                  ) -> dict:
     """Interleaved rounds in one window: vLLM, pagedkv with the default hash, pagedkv with
-    the fast single-tenant hash; ratios of the medians of total time per request."""
-    runs: dict[str, list[dict]] = {"vllm_sha256": [], DEFAULT_HASH: [], FAST_HASH: []}
+    the fast single-tenant hash; ratios of the medians of total time per request. With
+    ``baseline_src`` (another tree's ``src/``), each round also runs the loop on that code,
+    both trees then in fresh processes, their order alternating between rounds."""
+    trees = {"": None} if baseline_src is None else {"": _src_dir(), "baseline:": baseline_src}
+    runs: dict[str, list[dict]] = {"vllm_sha256": []}
+    for t in trees:
+        runs[t + DEFAULT_HASH] = []
+        runs[t + FAST_HASH] = []
     loads = [os.getloadavg()[0]]
-    for _ in range(rounds):
+    for i in range(rounds):
         runs["vllm_sha256"].append(vllm_total_us_per_request(python, requests))
-        for algo in (DEFAULT_HASH, FAST_HASH):
-            runs[algo].append(bench_loop(requests, hash_algo=algo))
+        order = list(trees) if i % 2 == 0 else list(trees)[::-1]
+        for t in order:
+            if trees[t] is None:  # this process: no baseline asked for
+                got = {a: bench_loop(requests, hash_algo=a) for a in (DEFAULT_HASH, FAST_HASH)}
+            else:
+                got = _loops_in(trees[t], requests)
+            for algo, r in got.items():
+                runs[t + algo].append(r)
         loads.append(os.getloadavg()[0])
     med = {k: statistics.median(r["total_us_per_request"] for r in v) for k, v in runs.items()}
+    vllm = [r["total_us_per_request"] for r in runs["vllm_sha256"]]
     return {
-        "rounds": rounds, "requests": requests,
+        "rounds": rounds, "requests": requests, "baseline_src": baseline_src,
         "load_avg_1min": [round(x, 2) for x in loads], "cpus": os.cpu_count(),
         "median_total_us_per_request": med,
         "ratio_default_hash_vs_vllm": round(med[DEFAULT_HASH] / med["vllm_sha256"], 4),
         "ratio_fast_hash_vs_vllm": round(med[FAST_HASH] / med["vllm_sha256"], 4),
+        "ratios_of_medians": {k: round(m / med["vllm_sha256"], 4) for k, m in med.items()
+                              if k != "vllm_sha256"},
+        "per_round_ratios": {k: [round(r["total_us_per_request"] / v, 3)
+                                 for r, v in zip(rs, vllm)]
+                             for k, rs in runs.items() if k != "vllm_sha256"},
         "hit_rates": {k: [r["cache_hit_rate_tokens"] for r in v] for k, v in runs.items()},
         "runs": runs,
     }
+
+
+def _src_dir() -> str:
+    """The ``src/`` this process imports pagedkv from."""
+    import pagedkv
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(pagedkv.__file__)))
 
 
 def bench_checked(requests: int = 100) -> dict:
@@ -437,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python",
                     help="the peer venv's python (../shared/peers/setup_vllm_peer.sh)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds against vLLM")
+    ap.add_argument("--baseline-src", help="--only vllm: also run each round's loop on the "
+                    "pagedkv of this src/ directory (e.g. `git archive` of an older commit)")
     args = ap.parse_args(argv)
     steps = 32 if args.quick else 256
     res: dict = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -460,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         res["sim"] = bench_sim()
     if args.only == "vllm":  # needs the peer venv: never part of the default run
         res["vs_vllm"] = bench_vs_vllm(args.vllm_python, args.rounds,
-                                       200 if args.quick else 2000)
+                                       200 if args.quick else 2000, args.baseline_src)
     res["load_avg_1min_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(res, indent=None if args.json else 1))
     return 0
