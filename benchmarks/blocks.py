@@ -13,7 +13,9 @@
    are hashed by ``add_request``, as vLLM hashes them when it creates the Request).
 3. Hashing throughput of each algorithm, tokens per second (block size 16 and 64).
 4. The vLLM-shaped continuous-batching loop (``--only loop``): same workload as
-   ../shared/peers/vllm_blocks_bench.py, timing each manager call (hash x elastic/fixed).
+   ../shared/peers/vllm_blocks_bench.py, timing each manager call (hash x elastic/fixed),
+   preemptions and the once-per-step ``drain_page_ops`` + ``drain_copy_ops`` included;
+   each run starts with an empty sha256 memo, as a fresh process would.
 5. ``--only vllm``: that loop against vLLM 0.34.0's own manager (the peer harness, in its
    venv), interleaved rounds in one window; total manager time per request, hashing
    included, with pagedkv's default hash and with the fast single-tenant one.
@@ -40,6 +42,15 @@ import time
 
 from pagedkv.blocks import KVCacheManager
 from pagedkv.blocks.hashing import DEFAULT_HASH, FAST_HASH, HASH_ALGOS, hash_extender
+
+try:
+    from pagedkv.blocks.hashing import clear_memo
+except ImportError:  # an older tree given to --baseline-src: its memo dicts by hand
+    def clear_memo() -> None:
+        from pagedkv.blocks import hashing
+
+        for name in ("_SHA_MEMO", "_SHA_CHUNKS"):
+            getattr(hashing, name, {}).clear()
 from pagedkv.kvspec import AttentionKV, Full, LayerSpec, SlidingWindow
 from pagedkv.kvspec.attention import Attention
 from pagedkv.plan.types import Group
@@ -155,7 +166,11 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
                decode: int = 128, bs: int = 16, seed: int = 0, hash_algo: str = DEFAULT_HASH,
                elastic: bool = True) -> dict:
     """The peer script's loop, call for call, with pagedkv's manager (elastic: one budget
-    of ``num_blocks`` blocks' bytes, mapped in 2 MiB pages as blocks fill)."""
+    of ``num_blocks`` blocks' bytes, mapped in 2 MiB pages as blocks fill). One call each
+    way per request per step, as the peer calls vLLM's manager; a preemption is timed as
+    the peer times vLLM's ``free`` there; and once per step the ``drain_page_ops`` +
+    ``drain_copy_ops`` an engine makes to launch the step (``step_ops``: no vLLM
+    counterpart, counted in pagedkv's total)."""
     rng = random.Random(seed)
     system = [rng.randrange(128000) for _ in range(prefix)]
     suffixes = [[rng.randrange(128000) for _ in range(suffix)] for _ in range(requests)]
@@ -167,8 +182,9 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
                  "max_model_len": prefix + suffix + decode + 64}
     mgr = KVCacheManager(groups, max_batched_tokens=token_budget, checked=False,
                          hash_algo=hash_algo, **extra)
+    clear_memo()  # as a fresh process: an earlier round's prompts must not be memoised
     t = {"lookup": [0, 0], "alloc_prefill": [0, 0], "alloc_decode": [0, 0], "commit": [0, 0],
-         "free": [0, 0], "add_request": [0, 0]}
+         "free": [0, 0], "add_request": [0, 0], "step_ops": [0, 0]}
 
     def add(key: str, dt: int) -> None:
         t[key][0] += 1
@@ -193,7 +209,9 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
             add("alloc_decode", ns() - a)
             if not ok:
                 victim = running.pop()
-                mgr.preempt(victim)
+                a = ns()
+                mgr.preempt(victim)  # vLLM's harness times its free() here
+                add("free", ns() - a)
                 waiting.insert(0, victim)
                 preemptions += 1
                 continue
@@ -228,6 +246,12 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
             budget -= n_new
             admitted += 1
             running.append(r)
+        # launch the step, as an engine must: page maps/unmaps, then the copy ops (vLLM's
+        # manager has neither; this is work pagedkv's side adds, so it is timed)
+        a = ns()
+        mgr.drain_page_ops()
+        mgr.drain_copy_ops()
+        add("step_ops", ns() - a)
         for r, n in scheduled:
             tok = [out_tokens[(mgr.num_tokens(r)) & 4095]]  # the "sampler", outside the timer
             a = ns()
@@ -276,6 +300,7 @@ def bench_calls(hash_algo: str = DEFAULT_HASH, running: int = 256, steps: int = 
     mgr = KVCacheManager(groups, max_batched_tokens=8192, checked=False, hash_algo=hash_algo,
                          budget_bytes=20000 * groups[0].page_bytes, max_model_len=1424 + 64)
     prompts = [prefix + [rng.randrange(128000) for _ in range(256)] for _ in range(running)]
+    clear_memo()
     t = {k: [0, 0] for k in ("add_request", "lookup", "alloc_prefill", "alloc_decode",
                              "alloc_boundary", "commit_decode", "commit_boundary", "free")}
     reqs = mgr.requests
@@ -341,26 +366,66 @@ def vllm_total_us_per_request(python: str, requests: int) -> dict:
             "preemptions": res["preemptions"]}
 
 
-def bench_vs_vllm(python: str, rounds: int, requests: int) -> dict:
+def _loops_in(src: str, requests: int) -> dict[str, dict]:
+    """This file's ``bench_loop`` (both hashes) in a fresh process importing pagedkv from
+    ``src`` (another tree's ``src/``, e.g. the code before a change)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import blocks as B; "
+            "print(json.dumps([B.bench_loop(int(sys.argv[2]), hash_algo=a) "
+            f"for a in ({DEFAULT_HASH!r}, {FAST_HASH!r})]))")
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
+                          str(requests)], check=True, capture_output=True, text=True,
+                         env=env).stdout
+    default, fast = json.loads(out)
+    return {DEFAULT_HASH: default, FAST_HASH: fast}
+
+
+def bench_vs_vllm(python: str, rounds: int, requests: int, baseline_src: str | None = None
+                  ) -> dict:
     """Interleaved rounds in one window: vLLM, pagedkv with the default hash, pagedkv with
-    the fast single-tenant hash; ratios of the medians of total time per request."""
-    runs: dict[str, list[dict]] = {"vllm_sha256": [], DEFAULT_HASH: [], FAST_HASH: []}
+    the fast single-tenant hash; ratios of the medians of total time per request. With
+    ``baseline_src`` (another tree's ``src/``), each round also runs the loop on that code,
+    both trees then in fresh processes, their order alternating between rounds."""
+    trees = {"": None} if baseline_src is None else {"": _src_dir(), "baseline:": baseline_src}
+    runs: dict[str, list[dict]] = {"vllm_sha256": []}
+    for t in trees:
+        runs[t + DEFAULT_HASH] = []
+        runs[t + FAST_HASH] = []
     loads = [os.getloadavg()[0]]
-    for _ in range(rounds):
+    for i in range(rounds):
         runs["vllm_sha256"].append(vllm_total_us_per_request(python, requests))
-        for algo in (DEFAULT_HASH, FAST_HASH):
-            runs[algo].append(bench_loop(requests, hash_algo=algo))
+        order = list(trees) if i % 2 == 0 else list(trees)[::-1]
+        for t in order:
+            if trees[t] is None:  # this process: no baseline asked for
+                got = {a: bench_loop(requests, hash_algo=a) for a in (DEFAULT_HASH, FAST_HASH)}
+            else:
+                got = _loops_in(trees[t], requests)
+            for algo, r in got.items():
+                runs[t + algo].append(r)
         loads.append(os.getloadavg()[0])
     med = {k: statistics.median(r["total_us_per_request"] for r in v) for k, v in runs.items()}
+    vllm = [r["total_us_per_request"] for r in runs["vllm_sha256"]]
     return {
-        "rounds": rounds, "requests": requests,
+        "rounds": rounds, "requests": requests, "baseline_src": baseline_src,
         "load_avg_1min": [round(x, 2) for x in loads], "cpus": os.cpu_count(),
         "median_total_us_per_request": med,
         "ratio_default_hash_vs_vllm": round(med[DEFAULT_HASH] / med["vllm_sha256"], 4),
         "ratio_fast_hash_vs_vllm": round(med[FAST_HASH] / med["vllm_sha256"], 4),
+        "ratios_of_medians": {k: round(m / med["vllm_sha256"], 4) for k, m in med.items()
+                              if k != "vllm_sha256"},
+        "per_round_ratios": {k: [round(r["total_us_per_request"] / v, 3)
+                                 for r, v in zip(rs, vllm)]
+                             for k, rs in runs.items() if k != "vllm_sha256"},
         "hit_rates": {k: [r["cache_hit_rate_tokens"] for r in v] for k, v in runs.items()},
         "runs": runs,
     }
+
+
+def _src_dir() -> str:
+    """The ``src/`` this process imports pagedkv from."""
+    import pagedkv
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(pagedkv.__file__)))
 
 
 def bench_checked(requests: int = 100) -> dict:
@@ -421,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python",
                     help="the peer venv's python (../shared/peers/setup_vllm_peer.sh)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds against vLLM")
+    ap.add_argument("--baseline-src", help="--only vllm: also run each round's loop on the "
+                    "pagedkv of this src/ directory (e.g. `git archive` of an older commit)")
     args = ap.parse_args(argv)
     steps = 32 if args.quick else 256
     res: dict = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -444,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         res["sim"] = bench_sim()
     if args.only == "vllm":  # needs the peer venv: never part of the default run
         res["vs_vllm"] = bench_vs_vllm(args.vllm_python, args.rounds,
-                                       200 if args.quick else 2000)
+                                       200 if args.quick else 2000, args.baseline_src)
     res["load_avg_1min_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(res, indent=None if args.json else 1))
     return 0

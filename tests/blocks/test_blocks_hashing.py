@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.blocks.hashing import HASH_ALGOS, hash_extender, root_hash
+from pagedkv.blocks.hashing import HASH_ALGOS, block_hasher, hash_extender, root_hash
 from pagedkv.errors import InvalidArgumentError
 
 ALGOS = [a for a in HASH_ALGOS if a != "xxh3_128"]
@@ -57,6 +57,21 @@ def test_incremental_extension_equals_one_shot(algo, toks, cut, bs):
     ext(toks, 0, cut, bs, 5, part)
     ext(toks, cut, n, bs, part[-1] if part else 5, part)
     assert part == chain(algo, toks, bs, 5)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@settings(max_examples=30, deadline=None)
+@given(toks=st.one_of(tokens_st, wide_tokens_st), bs=st.sampled_from([1, 4, 16]),
+       parent=st.integers(0, 2**64 - 1))
+def test_the_one_block_hasher_gives_the_chains_next_key(algo, toks, bs, parent):
+    # the decode path hashes a newly full block alone: same key as extending the chain
+    n = len(toks) // bs
+    whole = chain(algo, toks, bs, parent)
+    one = block_hasher(algo)
+    h = parent
+    for i in range(n):
+        h = one(h, toks[i * bs:(i + 1) * bs])
+        assert h == whole[i]
 
 
 def test_sha256_matches_an_independent_computation():

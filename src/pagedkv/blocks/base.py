@@ -124,9 +124,11 @@ class GroupManager:
     def commit(self, req: RequestState) -> int:
         """Offer blocks now full of committed tokens to the cache; return the committed
         count at which this group next has work."""
-        if req.copy_src[self.index] is not None:
+        i = self.index
+        if req.copy_src[i] is not None:
             self.release_copy_source(req)
-        self.mark_written(req)
+        if req.unwritten[i]:
+            self.mark_written(req)
         return self.offer(req, req.num_computed)
 
     def mark_written(self, req: RequestState) -> None:
@@ -170,6 +172,17 @@ class GroupManager:
         start = req.ncached[i]
         hashes = req.hashes[bs]
         limit = min((upto - k) // bs, len(table), len(hashes))
+        if limit == start + 1 and not unwritten and not self.events.enabled:
+            # one block filled while decoding: the loop below for one block, without it
+            b = table[start]
+            h = hashes[start]
+            pool = self.pool
+            block_hash = pool.block_hash
+            if b != pool.null and block_hash[b] is None and h not in self.cache:
+                self.cache[h] = b
+                block_hash[b] = h
+            req.ncached[i] = limit
+            return (limit + 1) * bs + k
         if limit > start:
             pool = self.pool
             gid = self.gid
@@ -210,12 +223,15 @@ class GroupManager:
 
     def free(self, req: RequestState) -> None:
         """Release every block; the tail first, so the LRU evicts tails before prefixes."""
-        self.release_copy_source(req)
-        table = req.tables[self.index]
+        i = self.index
+        if req.copy_src[i] is not None:
+            self.release_copy_source(req)
+        table = req.tables[i]
         if table:
             self.pool.release(table[::-1], self.gid)
-            req.tables[self.index] = []
-        self.drop_unwritten(req)
+            req.tables[i] = []
+        if req.unwritten[i]:
+            self.drop_unwritten(req)
 
     # --- arithmetic --------------------------------------------------------------------
     def admission_blocks(self, num_tokens: int, max_batched_tokens: int) -> int:

@@ -187,6 +187,30 @@ class ElasticPool(BlockPool):
                 group[b] = group_id
                 self.used[group_id] += 1
                 return [b]
+        if not self.free and self.fresh >= self.num_blocks and n <= len(self.evictable):
+            # no plain id left (a pool full of cached blocks, the steady state of a busy
+            # cache): each block is the LRU's oldest, as _take_one takes it then
+            # (BlockPool._evict_oldest inlined; a tracking pool records ``out`` in allocate)
+            popitem = self.evictable.popitem
+            block_hash = self.block_hash
+            caches = self.caches
+            events = self.events
+            out = []
+            for _ in range(n):
+                b, _ = popitem(last=False)
+                h = block_hash[b]
+                g = group[b]
+                del caches[g][h]
+                block_hash[b] = None
+                if events.enabled:
+                    events.emit("removed", g, (h,), (b,))
+                ref[b] = 1
+                group[b] = group_id
+                out.append(b)
+            self.evictions += n
+            self.epoch += n
+            self.used[group_id] += n
+            return out
         out = self._take_lowest(n)
         while len(out) < n:
             out.append(self._take_one())

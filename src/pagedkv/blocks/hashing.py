@@ -41,9 +41,15 @@ ROOT_SEED = 0x5EED_BA5E
 def _extend_fast(tokens: Sequence[int], start: int, stop: int, bs: int, parent: int,
                  out: list) -> None:
     # no memo: a tuple hash per block costs less than the uint32 keys a memo would need
+    if stop - start == 1:  # a block filled while decoding: the same tuple, without zip's setup
+        out.append(hash((parent, tuple(tokens[start * bs:stop * bs]))))
+        return
     h = parent
     append = out.append
-    for block in zip(*[iter(tokens[start * bs:stop * bs])] * bs):  # blocks cut in C
+    # a whole prompt's blocks straight from its list (zip drops a partial tail block)
+    run = iter(tokens) if start == 0 and len(tokens) // bs == stop else iter(
+        tokens[start * bs:stop * bs])
+    for block in zip(*[run] * bs):  # blocks cut in C
         h = hash((h, block))
         append(h)
 
@@ -85,15 +91,21 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
     sha256 = hashlib.sha256
     from_bytes = int.from_bytes
     h = parent.to_bytes(32, "little")
-    run = tokens[start * bs:stop * bs]
     if stop - start == 1:  # a block filled while decoding: one link, not worth a memo entry
-        out.append(from_bytes(sha256(h + _block_bytes(run)).digest(), "little"))
+        block = tokens[start * bs:stop * bs]
+        out.append(from_bytes(sha256(h + _block_bytes(block)).digest(), "little"))
         return
     append = out.append
     arr = array("I")
     try:  # one conversion for the whole range: the common case
-        arr.fromlist(run if type(run) is list else list(run))  # faster than array("I", run)
-        buf = arr.tobytes()
+        if start == 0 and type(tokens) is list and len(tokens) // bs == stop:
+            # a whole prompt: no slice of its list
+            arr.fromlist(tokens)  # faster than array("I", run)
+            buf = arr.tobytes()[:stop * bs * 4]  # less any partial tail block
+        else:
+            run = tokens[start * bs:stop * bs]
+            arr.fromlist(run if type(run) is list else list(run))
+            buf = arr.tobytes()
     except OverflowError:
         for lo in range(start * bs, stop * bs, bs):
             h = sha256(h + _block_bytes(tokens[lo:lo + bs])).digest()
@@ -162,6 +174,13 @@ _SHA_CHUNKS: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}
 _SHA_CHUNKS_MAX = 1 << 13
 
 
+def clear_memo() -> None:
+    """Forget every memoised ``sha256`` link and run (the state of a fresh process; the
+    benchmarks start each run from it so that one run's prompts do not speed up the next)."""
+    _SHA_MEMO.clear()
+    _SHA_CHUNKS.clear()
+
+
 def _xxh3_extender() -> Extender:
     try:
         import xxhash
@@ -182,6 +201,33 @@ _ALGOS: dict[str, Callable[[], Extender]] = {
 }
 HASH_ALGOS = tuple(_ALGOS)
 MULTI_TENANT_SAFE = frozenset({DEFAULT_HASH})
+
+
+def _one_fast(parent: int, block: Sequence[int]) -> int:
+    return hash((parent, tuple(block)))
+
+
+def _one_sha256(parent: int, block: Sequence[int]) -> int:
+    return int.from_bytes(hashlib.sha256(parent.to_bytes(32, "little") + _block_bytes(block))
+                          .digest(), "little")
+
+
+def block_hasher(algo: str) -> Callable[[int, Sequence[int]], int]:
+    """``one(parent, block_tokens)``: the key the extender named ``algo`` gives that one
+    block chained on ``parent`` (a block filled while decoding, without the extender's
+    setup for runs)."""
+    if algo == FAST_HASH:
+        return _one_fast
+    if algo == DEFAULT_HASH:
+        return _one_sha256
+    extend = hash_extender(algo)
+
+    def one(parent: int, block: Sequence[int]) -> int:
+        out: list[int] = []
+        extend(block, 0, 1, len(block), parent, out)
+        return out[0]
+
+    return one
 
 
 def hash_extender(algo: str) -> Extender:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.blocks.base import GroupManager
-from pagedkv.blocks.hashing import hash_extender, key_mixer
+from pagedkv.blocks.hashing import block_hasher, hash_extender, key_mixer
 from pagedkv.blocks.pool import BlockPool
 from pagedkv.blocks.recurrent import RecurrentManager
 from pagedkv.blocks.request import PendingHit, RequestState
@@ -32,6 +32,9 @@ class PrefixLookup:
         self.any_caching = any(m.caching for m in self.managers)
         self.block_sizes = tuple(sorted({m.bs for m in self.managers}))
         self._extend = hash_extender(hash_algo)
+        self._hash_one = block_hasher(hash_algo)
+        # one block size: a decode step's newly full block is hashed on a short path
+        self._only_bs = self.block_sizes[0] if len(self.block_sizes) == 1 else 0
         self._mixer = key_mixer(hash_algo)
         self.queries = 0
         self.hits = 0
@@ -45,6 +48,14 @@ class PrefixLookup:
         if not self.enabled:
             return
         tokens = req.tokens
+        bs = self._only_bs
+        if bs and not req.mm_spans:
+            hashes = req.hashes.get(bs)
+            if hashes:
+                n = len(hashes)
+                if len(tokens) // bs == n + 1:  # one block filled while decoding
+                    hashes.append(self._hash_one(hashes[-1], tokens[n * bs:(n + 1) * bs]))
+                    return
         for bs in self.block_sizes:
             hashes = req.hashes.get(bs)
             if hashes is None:

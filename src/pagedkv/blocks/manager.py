@@ -123,6 +123,7 @@ class KVCacheManager:
         if not isinstance(hash_secret, bytes):
             raise InvalidArgumentError(f"hash_secret must be bytes, got {type(hash_secret).__name__}")
         self.hash_secret = hash_secret
+        self._root = root_hash((), hash_secret)  # a request without extra keys: derived once
         self.event_log = EventLog(events)
         self.ledger: PageLedger | None = None
         self.bounds: tuple[PoolBounds, ...] = ()
@@ -313,12 +314,15 @@ class KVCacheManager:
         if max_new_tokens is not None and max_new_tokens < 0:
             raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self.check_fits(len(prompt_tokens) + (max_new_tokens or 0))
-        spans = tuple(sorted((int(a), int(b), int(h)) for a, b, h in mm_spans))
-        for a, b, _ in spans:
-            if not 0 <= a < b:
-                raise InvalidArgumentError(f"bad multimodal span [{a}, {b})")
-        req = RequestState(request_id, list(prompt_tokens), root_hash(tuple(extra_keys), self.hash_secret),
-                           spans, len(self.managers), max_new_tokens)
+        spans: tuple[tuple[int, int, int], ...] = ()
+        if mm_spans:
+            spans = tuple(sorted((int(a), int(b), int(h)) for a, b, h in mm_spans))
+            for a, b, _ in spans:
+                if not 0 <= a < b:
+                    raise InvalidArgumentError(f"bad multimodal span [{a}, {b})")
+        root = root_hash(tuple(extra_keys), self.hash_secret) if extra_keys else self._root
+        req = RequestState(request_id, list(prompt_tokens), root, spans, len(self.managers),
+                           max_new_tokens)
         self.prefix.hash_full_blocks(req)  # once per prompt; later blocks as they fill
         self._reqs[request_id] = req
 
@@ -438,9 +442,15 @@ class KVCacheManager:
                 if ledger is None:
                     if k > pool.num_free():
                         return False
-                elif (k > pool.num_plain_free()
-                      or k * pool.worst_bytes > ledger.free_bytes()):  # type: ignore[attr-defined]
-                    return self._grow_exact(req, end, ledger)
+                else:
+                    plain = pool.num_plain_free()
+                    if k > plain:
+                        # no plain id at all: the pool's own LRU, on mapped pages (no new
+                        # bytes: what _grow_exact decides then); else count exactly
+                        if plain or k > len(pool.evictable):
+                            return self._grow_exact(req, end, ledger)
+                    elif k * pool.worst_bytes > ledger.free_bytes():  # type: ignore[attr-defined]
+                        return self._grow_exact(req, end, ledger)
                 table += pool.allocate(k, m.gid)
             n = len(table) * bs
             req.fast_limit = req.slot_limit = n
