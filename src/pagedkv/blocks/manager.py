@@ -173,8 +173,6 @@ class KVCacheManager:
         # its tables without the general admission bookkeeping (``_grow``)
         self._full_only = self._pool_per_group and all(type(m) is FullManager
                                                        for m in self.managers)
-        self._single_bs = (self.managers[0].bs if len({m.bs for m in self.managers}) == 1
-                           else 0)
         self._pool_by_id = {p.pool_id: p for p in self.pools}
         # the full sweep walks every block id: by default it runs about once per that many
         # calls (at least every 1,024), so its cost per call stays a small constant
