@@ -13,7 +13,7 @@ until the next step that uses the same buffers.
 Layout of one shape, in bytes: int64 arrays (slots, positions of every group), then int32
 arrays (query_start_loc, then per group block table, seq_lens, indptr, last-page lengths),
 then each group's CSR page list at its capacity (batch x width). The one host-to-device copy
-covers bytes 0 to the end of the last group's used pages, rounded up to 16 KiB, so that the
+covers bytes 0 to the end of the last group's used pages, rounded up to 4 KiB, so that the
 slices it copies between are made once per shape and length, not per step: on CUDA every
 torch call on the step path costs several us of host time, so a step makes one ``copy_``,
 one event record (and, rarely, a wait), and a page-list view per group whose length changed.
@@ -40,7 +40,7 @@ _MAX_SHAPES = 256  # cached shapes before the cache is dropped (a long run of od
 # a copy's length is rounded up to a multiple of this, so that a shape has few distinct copy
 # lengths and the (device, host) slice pair of each is made once, not every step (a few us
 # of dispatcher time per slice on CUDA); the extra bytes are unused page-list capacity
-_GRANULE = 16 << 10
+_GRANULE = 4 << 10
 _MAX_COPIES = 64  # cached copy slice pairs per shape before they are dropped
 # the current stream's raw handle (a cheap C call): a Stream object is built only when it
 # changes (torch.cuda.current_stream() builds one each call, several us)
