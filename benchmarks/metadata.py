@@ -14,20 +14,34 @@ so that a loaded machine slows them alike):
 - ``PersistentMetadata.step + view``: the same steps into fixed, bucketed buffers (the
   CUDA-graph mode; buckets 64/256/1024, block tables wide enough for the whole run).
 
+Below each builder, ``appends + step + view``: the median of the per-step sum, what an
+engine's decode step pays for its metadata (the issue's target applies to this).
+
 Reported per path: median host time of a step (perf_counter; the device work is not waited
 for), its ratio to the stateless path of the same run, the 10th percentile (on a shared
 machine: the steps least disturbed by other processes), and the host-to-device copies one
 step issues (torch profiler ``HtoD`` memcpy events; none on CPU). The incremental and
 persistent outputs are compared with ``build_metadata`` on every 10th step.
 
+The table is printed after all timing (and after the breakdown, when asked for), then the
+copies are counted. ``--breakdown`` adds (nothing of it inside the timed loop): each builder's
+step run alone back to back (warm, advancing decode steps, median), a cProfile of those
+steps (functions by own time per step; the profiler inflates Python-heavy lines), and on CUDA
+the host cost of each CUDA call the step path makes (event record / wait, the copy from
+pinned and from pageable memory at several sizes, views) and of numpy writes and reads in
+pinned vs ordinary memory.
+
 Usage: python benchmarks/metadata.py [--device cpu|cuda] [--steps N] [--batches 64,256,1024]
+       [--breakdown]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import platform
+import pstats
 import random
 import statistics
 import sys
@@ -48,6 +62,7 @@ BUCKETS = (64, 256, 1024)
 STATELESS, INCREMENTAL, PERSISTENT = (
     "build_metadata + view", "MetadataBuilder.step + view", "PersistentMetadata.step + view")
 APPENDS = "appends"
+TOTAL = " total"  # appends + step + view of a builder: what an engine's step pays
 ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
           "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
@@ -114,7 +129,7 @@ def same(got, want) -> bool:
 
 
 def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
-              att: AttentionGroup) -> tuple[list, list]:
+              att: AttentionGroup) -> tuple[list, list, object]:
     rng = random.Random(batch)
     static = Decode(batch, rng).requests()
     max_blocks = (1280 + steps + run + 8) // BLOCK + 2
@@ -146,6 +161,7 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
         t2 = time.perf_counter_ns()
         if record:
             times[name].append(t2 - t1)
+            times[name + TOTAL].append(t2 - t0)
             if name == INCREMENTAL:
                 times[APPENDS].append(t1 - t0)
         if check:
@@ -155,7 +171,8 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             if not same(view.metadata, want):
                 mismatch.append((batch, name, decode.computed[0]))
 
-    times: dict[str, list[int]] = {STATELESS: [], INCREMENTAL: [], APPENDS: [], PERSISTENT: []}
+    times: dict[str, list[int]] = {STATELESS: [], INCREMENTAL: [], APPENDS: [], PERSISTENT: [],
+                                   INCREMENTAL + TOTAL: [], PERSISTENT + TOTAL: []}
     mismatch: list = []
     warmup = 5
     done = 0
@@ -170,21 +187,130 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
                 step(name, done >= warmup, (done + j) % 10 == 0)
         done += run
 
-    copies = {}
-    if dev.type == "cuda":
-        copies[STATELESS] = h2d_copies(stateless)
-        for name in runs:
-            copies[name] = h2d_copies(lambda name=name: step(name, False, False))
+    def count() -> dict[str, int]:
+        """Copies per step, by the profiler: called only after every timed loop of the run
+        (a CUDA profiler session can leave CUPTI hooks that slow later CUDA calls)."""
+        copies = {}
+        if dev.type == "cuda":
+            copies[STATELESS] = h2d_copies(stateless)
+            for name in runs:
+                copies[name] = h2d_copies(lambda name=name: step(name, False, False))
+        return copies
+
     medians = {name: statistics.median(t) / 1e3 for name, t in times.items()}
     tenths = {name: (statistics.quantiles(t, n=10)[0] if len(t) > 1 else t[0]) / 1e3
               for name, t in times.items()}
     base = medians[STATELESS]
     rows = []
-    for name in (STATELESS, INCREMENTAL, APPENDS, PERSISTENT):
-        label = f"  appends (append_each, ~{batch / BLOCK:g} reqs)" if name == APPENDS else name
-        rows.append((batch, label, medians[name], medians[name] / base, tenths[name],
-                     copies.get(name, 0)))
-    return rows, mismatch
+    for name in (STATELESS, INCREMENTAL, APPENDS, INCREMENTAL + TOTAL, PERSISTENT,
+                 PERSISTENT + TOTAL):
+        label = name
+        if name == APPENDS:
+            label = f"  appends (append_each, ~{batch / BLOCK:g} reqs)"
+        elif name.endswith(TOTAL):
+            label = "  + appends (an engine's step)"
+        rows.append((batch, label, medians[name], medians[name] / base, tenths[name], name))
+    return rows, mismatch, count
+
+
+def median_us(fn, repeat: int = 300, inner: int = 1) -> float:
+    """Median host time of ``fn()`` in us (``inner`` calls per sample)."""
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter_ns() - t0) / inner)
+    return statistics.median(out) / 1e3
+
+
+def alone(batch: int, steps: int, dev: torch.device, g: Group, att: AttentionGroup) -> None:
+    """Each builder's steps back to back (no other path in between), then under cProfile."""
+    max_blocks = (1280 + 2 * steps + 8) // BLOCK + 2
+    for name, make in (
+        (INCREMENTAL, lambda: MetadataBuilder([g], device=dev, rows=batch, width=max_blocks)),
+        (PERSISTENT, lambda: PersistentMetadata([g], max_blocks=max_blocks, batch_buckets=BUCKETS,
+                                                device=dev)),
+    ):
+        decode = Decode(batch, random.Random(batch + 1), 2 * steps + 10)
+        builder = make()
+        decode.load(builder)
+
+        def one(prof=None, decode=decode, builder=builder) -> int:
+            opened = decode.advance()  # the benchmark's own bookkeeping: not timed
+            if prof is not None:
+                prof.enable()
+            t0 = time.perf_counter_ns()
+            if opened:
+                builder.append_each([rid for rid, _ in opened], {0: [b for _, b in opened]})
+            attention_view(builder.step(decode.ids, decode.computed, decode.new)[0], att,
+                           causal=True)
+            t1 = time.perf_counter_ns()
+            if prof is not None:
+                prof.disable()
+            return t1 - t0
+
+        for _ in range(5):
+            one()
+        per = statistics.median(one() for _ in range(steps)) / 1e3
+        print(f"# alone, batch {batch}, {name} (appends included): median {per:.1f} us "
+              f"over {steps} back-to-back steps")
+        prof = cProfile.Profile()
+        for _ in range(steps):
+            one(prof)
+        stats = pstats.Stats(prof)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:14]  # type: ignore[attr-defined]
+        total = sum(v[2] for v in stats.stats.values()) / steps * 1e6  # type: ignore[attr-defined]
+        print(f"#   cProfile: {total:.1f} us/step in all (profiled); own time per step:")
+        for (file, line, func), (_, ncalls, tottime, _, _) in rows:
+            print(f"#   {tottime / steps * 1e6:8.2f} us  {ncalls / steps:6.2f} calls  "
+                  f"{os.path.basename(file)}:{line}({func})")
+
+
+def cuda_calls() -> None:
+    """Host cost of the CUDA calls a step makes, and of numpy on pinned memory."""
+    from pagedkv.batch.buffers import _raw_stream
+    n = 1 << 20
+    pinned = torch.zeros(n, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.zeros(n, dtype=torch.uint8)
+    dev = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    ev = torch.cuda.Event()
+    stream = torch.cuda.current_stream()
+    idx = dev.device.index
+    torch.cuda.synchronize()
+    print(f"# CUDA calls, host us (median): pinned buffer is_pinned={pinned.is_pinned()}")
+    ev.record(stream)
+    torch.cuda.synchronize()
+    probes = {
+        "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
+        "_cuda_getCurrentRawStream": (lambda: _raw_stream(idx)) if _raw_stream else None,
+        "event.record() (no stream)": lambda: ev.record(),
+        "event.record(stream)": lambda: ev.record(stream),
+        "event.synchronize() (done)": lambda: ev.synchronize(),
+        "event.query() (done)": lambda: ev.query(),
+        "dev[:k] slice": lambda: dev[:100000],
+        "dev.as_strided": lambda: dev.as_strided((100000,), (1,)),
+    }
+    for label, fn in probes.items():
+        if fn is not None:
+            print(f"#   {label:40s} {median_us(fn, 200, 20):8.2f}")
+    for size in (16 << 10, 176 << 10, 704 << 10):
+        for kind, src in (("pinned", pinned), ("pageable", pageable)):
+            d, h = dev[:size], src[:size]
+
+            def copy(d=d, h=h) -> None:
+                d.copy_(h, non_blocking=True)
+            torch.cuda.synchronize()
+            t = median_us(copy, 100, 1)
+            torch.cuda.synchronize()
+            print(f"#   copy_ non_blocking {kind:8s} {size >> 10:4d} KiB {t:14.2f}")
+    a = pinned.numpy()[: 176 << 10]
+    b = pageable.numpy()[: 176 << 10]
+    src = np.arange(44 << 10, dtype=np.int32).view(np.uint8)
+    for kind, arr in (("pinned", a), ("ordinary", b)):
+        w = median_us(lambda arr=arr: np.copyto(arr, src), 200, 5)
+        r = median_us(lambda arr=arr: np.add.reduce(arr.view(np.int32)), 200, 5)
+        print(f"#   numpy 176 KiB {kind:8s}: write {w:7.2f} us, read (sum) {r:7.2f} us")
 
 
 def main(argv=None) -> int:
@@ -194,6 +320,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="64,256,1024")
     parser.add_argument("--run", type=int, default=1,
                         help="consecutive steps of one path per turn (1: fully interleaved)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="then: each builder alone, its cProfile, and CUDA call costs")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pagedkv: error: --device cuda needs a CUDA device", file=sys.stderr)
@@ -218,15 +346,26 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}, "
           f"median of {args.steps} decode steps, paths in turns of {args.run} step(s), load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    bad = []
+    results = []
+    for batch in batches:
+        rows, mismatch, count = run_batch(batch, args.steps, args.run, dev, g, att)
+        bad += mismatch
+        results.append((rows, count))
+    load = f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    if args.breakdown:
+        for batch in batches:
+            alone(batch, args.steps, dev, g, att)
+        if dev.type == "cuda":
+            cuda_calls()
+    # the table last: its copy counts use the profiler, which runs after all timing
     print("%-6s %-36s %10s %9s %9s %10s" % ("batch", "path", "host us", "vs old", "p10 us",
                                              "H2D/step"))
-    bad = []
-    for batch in batches:
-        rows, mismatch = run_batch(batch, args.steps, args.run, dev, g, att)
-        bad += mismatch
-        for row in rows:
-            print("%-6d %-36s %10.1f %8.2fx %9.1f %10d" % row, flush=True)
-    print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for rows, count in results:
+        copies = count()
+        for *row, name in rows:
+            print("%-6d %-36s %10.1f %8.2fx %9.1f %10d" % (*row, copies.get(name, 0)), flush=True)
+    print(load)
     if bad:
         print(f"pagedkv: error: metadata differs from build_metadata at {bad[:5]}", file=sys.stderr)
         return 1

@@ -2,7 +2,8 @@
 build_metadata, step by step, over random decode runs: the same batch order for many steps
 (cached row lookup, all-decode steps), with drafts and their rollback, prefill chunks mixed
 in, admissions, finishes, reorders and window frees; four groups with different block sizes,
-one with a position offset and one sliding-window."""
+one with a position offset and one sliding-window. On the device of PAGEDKV_TEST_DEVICE
+(CUDA: the real pinned staging buffers used in turn, event waits and partial copies)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_batch import make_group  # noqa: E402
 from test_batch_incremental import assert_same  # noqa: E402
@@ -42,13 +43,13 @@ def groups():
 class Run:
     """A toy scheduler + block manager feeding both builders the same bookkeeping."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.rng = random.Random(seed)
         self.groups = groups()
         self.builders = [
-            MetadataBuilder(self.groups, rows=1, width=1),
+            MetadataBuilder(self.groups, rows=1, width=1, device=device),
             PersistentMetadata(self.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
-                               token_buckets=TOKEN_BUCKETS, device="cpu", rows=2),
+                               token_buckets=TOKEN_BUCKETS, device=device, rows=2),
         ]
         self.pool = list(range(1, NUM_BLOCKS))  # block 0 stands for a freed window block
         self.rng.shuffle(self.pool)
@@ -112,10 +113,11 @@ def bucket(n: int, buckets: list[int]) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
 
 
-@settings(max_examples=25, deadline=None)
+# (the device fixture is one value for the whole session: safe to share across examples)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(0, 2**32 - 1))
-def test_fast_path_equals_build_metadata_over_decode_runs(seed):
-    run = Run(seed)
+def test_fast_path_equals_build_metadata_over_decode_runs(device, seed):
+    run = Run(seed, device)
     rng = run.rng
     for _ in range(rng.randint(1, 6)):
         run.admit()
@@ -153,12 +155,13 @@ def test_fast_path_equals_build_metadata_over_decode_runs(seed):
                 [r.num_draft_tokens for r in sched])
         checked = rng.random() < 0.2
         plain, persistent = run.builders
-        assert_same(plain.step(*args, checked=checked), build_metadata(sched, run.groups))
+        assert_same(plain.step(*args, checked=checked), build_metadata(sched, run.groups,
+                                                                        device=device))
         tokens = sum(r.num_new_tokens for r in sched)
         batch_b, token_b = bucket(len(sched), BATCH_BUCKETS), bucket(tokens, TOKEN_BUCKETS)
         got = persistent.step(*args, checked=checked)
         assert_same(got, build_metadata(sched, run.groups, pad_batch_to=batch_b,
-                                        pad_tokens_to=token_b, max_blocks=WIDTH))
+                                        pad_tokens_to=token_b, max_blocks=WIDTH, device=device))
         # a bucket's arrays never move (what a captured CUDA graph relies on)
         # (an empty tensor reports address 0: nothing is read through it)
         ptrs = {(gid, name): getattr(m, name).data_ptr() for gid, m in got.items()

@@ -13,7 +13,10 @@ until the next step that uses the same buffers.
 Layout of one shape, in bytes: int64 arrays (slots, positions of every group), then int32
 arrays (query_start_loc, then per group block table, seq_lens, indptr, last-page lengths),
 then each group's CSR page list at its capacity (batch x width). The one host-to-device copy
-covers bytes 0 to the end of the last group's used pages.
+covers bytes 0 to the end of the last group's used pages, rounded up to 4 KiB, so that the
+slices it copies between are made once per shape and length, not per step: on CUDA every
+torch call on the step path costs several us of host time, so a step makes one ``copy_``,
+one event record (and, rarely, a wait), and a page-list view per group whose length changed.
 
 Two host buffers in turn on CUDA: the copy is asynchronous, so a step may be filled while
 the previous step's copy is still queued behind the device's work; before a host buffer is
@@ -34,6 +37,14 @@ from pagedkv.errors import InvalidArgumentError
 _INT64 = ("slot_mapping", "positions")
 _INT32 = ("block_table", "seq_lens", "paged_kv_indptr", "paged_kv_last_page_len")
 _MAX_SHAPES = 256  # cached shapes before the cache is dropped (a long run of odd batch sizes)
+# a copy's length is rounded up to a multiple of this, so that a shape has few distinct copy
+# lengths and the (device, host) slice pair of each is made once, not every step (a few us
+# of dispatcher time per slice on CUDA); the extra bytes are unused page-list capacity
+_GRANULE = 4 << 10
+_MAX_COPIES = 64  # cached copy slice pairs per shape before they are dropped
+# the current stream's raw handle (a cheap C call): a Stream object is built only when it
+# changes (torch.cuda.current_stream() builds one each call, several us)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _count(name: str, batch: int, tokens: int, width: int) -> tuple[int, tuple[int, ...]]:
@@ -82,10 +93,10 @@ class Layout:
         return cls(batch, tokens, widths, slots, qsl_at, tuple(pages_at), -(-at // 8) * 8)
 
     def copy_end(self, nnz: list[int]) -> int:
-        """Bytes the step's copy must cover (up to the last group's used pages)."""
-        if not nnz:
-            return self.qsl_at + 4 * (self.batch + 1)
-        return self.pages_at[-1] + 4 * nnz[-1]
+        """Bytes the step's copy must cover (up to the last group's used pages), rounded up
+        to the copy granule (within the layout)."""
+        end = self.pages_at[-1] + 4 * nnz[-1] if nnz else self.qsl_at + 4 * (self.batch + 1)
+        return min(-(-end // _GRANULE) * _GRANULE, self.nbytes)
 
     def numpy_views(self, raw: np.ndarray) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
         qsl = raw[self.qsl_at : self.qsl_at + 4 * (self.batch + 1)].view(np.int32)
@@ -110,16 +121,20 @@ class Layout:
 
 
 class _Shape:
-    """One cached shape: its layout, numpy views per host buffer, torch views of the device."""
+    """One cached shape: its layout, numpy views per host buffer, torch views of the device,
+    and the slice pairs its copies used."""
 
-    __slots__ = ("device", "host", "layout", "pages")
+    __slots__ = ("copies", "device", "full_pages", "host", "layout", "pages")
 
     def __init__(self, layout: Layout, hosts: list[np.ndarray], device: torch.Tensor) -> None:
         self.layout = layout
         self.host = [layout.numpy_views(raw) for raw in hosts]
         self.device = layout.torch_views(device)
+        self.full_pages = [g["paged_kv_indices"] for g in self.device[1]]
         # each group's last page-list view and its length: nnz often repeats between steps
         self.pages: list[tuple[int, torch.Tensor] | None] = [None] * len(layout.widths)
+        # (host buffer, copy end) -> (device slice, host slice)
+        self.copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class StepBuffers:
@@ -140,6 +155,8 @@ class StepBuffers:
         self._turn = 0
         self._shapes: dict[tuple[int, int, tuple[int, ...]], _Shape] = {}
         self._filled: list[object] = []
+        self._stream_raw: int | None = None
+        self._stream: torch.cuda.Stream | None = None
         self._allocate(max(capacity or 0, 64))
 
     @property
@@ -210,21 +227,40 @@ class StepBuffers:
         """Copy the filled host buffer (one copy) and return the device views of the step
         shape (cached: do not modify the dicts) and each group's page list cut to its
         ``nnz`` entries."""
-        if self._dev is not None:
+        dev = self._dev
+        if dev is not None:
+            turn = self._turn
             end = entry.layout.copy_end(nnz)
-            src = self._hosts[self._turn]
-            self._dev[:end].copy_(src[:end], non_blocking=True)
+            pair = entry.copies.get((turn, end))
+            if pair is None:
+                if len(entry.copies) >= _MAX_COPIES:
+                    entry.copies.clear()
+                pair = entry.copies[(turn, end)] = (dev[:end], self._hosts[turn][:end])
+            pair[0].copy_(pair[1], non_blocking=True)
             self.copies += 1
             if self._cuda:
-                self._events[self._turn].record()
-                self._pending[self._turn] = True
-                self._turn ^= 1
+                self._events[turn].record(self._current_stream())
+                self._pending[turn] = True
+                self._turn = turn ^ 1
         qsl, groups = entry.device
         cache = entry.pages
         pages = []
         for i, count in enumerate(nnz):
             last = cache[i]
             if last is None or last[0] != count:
-                last = cache[i] = (count, groups[i]["paged_kv_indices"][:count])
+                # as_strided keeps the view's offset and is the cheapest view call
+                last = cache[i] = (count, entry.full_pages[i].as_strided((count,), (1,)))
             pages.append(last[1])
         return qsl, groups, pages
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The current CUDA stream of the buffer's device (the copy went there), rebuilt as
+        a Stream object only when its raw handle changes."""
+        index = self._dev.device.index  # type: ignore[union-attr]
+        if _raw_stream is None:
+            return torch.cuda.current_stream(index)
+        raw = _raw_stream(index)
+        if raw != self._stream_raw or self._stream is None:
+            self._stream = torch.cuda.current_stream(index)
+            self._stream_raw = raw
+        return self._stream

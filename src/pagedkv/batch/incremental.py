@@ -196,9 +196,9 @@ class MetadataBuilder:
                     f"append_each: group {gid} has {arr.shape[0]} block ids for "
                     f"{rows.shape[0]} requests"
                 )
-            bad = np.flatnonzero((arr < 0) | (arr >= table.limit))
-            if bad.size:
-                i = int(bad[0])
+            # two reductions; the offending entry is looked for only when there is one
+            if arr.shape[0] and (int(_min(arr)) < 0 or int(_max(arr)) >= table.limit):
+                i = int(np.flatnonzero((arr < 0) | (arr >= table.limit))[0])
                 raise MetadataError(
                     f"group {gid}: request {req_ids[i]!r} was given block id {int(arr[i])}, "
                     f"outside the group's {table.limit} blocks"
@@ -206,10 +206,13 @@ class MetadataBuilder:
             checked.append((table, arr))
         for table, arr in checked:  # every group checked before any changes
             cols = table.lens[rows]
-            if rows.shape[0] and int(cols.max()) >= table.ids.shape[1]:
-                table.widen(max(int(cols.max()) + 1, 2 * table.ids.shape[1]))
+            if rows.shape[0]:
+                widest = int(_max(cols))
+                if widest >= table.ids.shape[1]:
+                    table.widen(max(widest + 1, 2 * table.ids.shape[1]))
             table.ids[rows, cols] = arr
-            table.lens[rows] = cols + 1
+            cols += 1
+            table.lens[rows] = cols
 
     def set_blocks(self, req_id: Hashable, block_ids: Mapping[int, Sequence[int]]) -> None:
         """Replace the block lists of the groups named (rollback of lookahead blocks, a
