@@ -15,10 +15,13 @@ runs+=("--tiny deepseek-v3 --draft mtp --spec-tokens 3 --prompts 3 --max-new-tok
 runs+=("--tiny deepseek-v3 --draft dspark --spec-tokens 3 --prompts 3 --max-new-tokens 8")
 runs+=("--tiny llama-3-8b --draft eagle3 --spec-tokens 3 --prompts 3 --max-new-tokens 8")
 runs+=("--tiny qwen3-next-80b --draft scripted --spec-tokens 3 --prompts 3 --max-new-tokens 8")
-# prefix-cache hits (prompts of 40 tokens share blocks) with each drafter and with Kimi-K3
-runs+=("--tiny deepseek-v3 --draft mtp --spec-tokens 3 --prompts 4 --prompt-len 40 --max-new-tokens 8")
-runs+=("--tiny llama-3-8b --draft eagle3 --spec-tokens 3 --prompts 4 --prompt-len 40 --max-new-tokens 8")
-runs+=("--tiny kimi-k3 --draft dspark --spec-tokens 3 --prompts 4 --prompt-len 40 --max-new-tokens 8")
+# prefix-cache hits: prompts of 64 tokens share their first 32 (two blocks of 16); a token
+# budget of 80 admits one prefill per step, so later requests find the earlier ones' blocks
+hits="--spec-tokens 3 --prompts 4 --prompt-len 64 --block-size 16 --max-batched-tokens 80 --max-new-tokens 8"
+for pair in "deepseek-v3 mtp" "deepseek-v3 dspark" "llama-3-8b eagle3" "kimi-k3 dspark" "kimi-k3 scripted" "qwen3-next-80b scripted"; do
+  set -- $pair
+  runs+=("--tiny $1 --draft $2 $hits")
+done
 printf '%s\n' "${runs[@]}" | xargs -P "$JOBS" -I{} sh -c \
   "f=\$(mktemp -p '$OUT_DIR' run.XXXXXX); echo '{}' > \$f.args; python3 -m pagedkv generate {} --device $DEVICE --verify --json > \$f 2> \$f.err; true"
 # one line per run: its JSON, or FAILED with its arguments and last stderr line
@@ -36,5 +39,5 @@ for line in open(sys.argv[1]):
     print(d.get("architecture"), d.get("dtype"), d.get("draft", "-"), "match", d.get("match"),
           "max_abs_logit_diff %.3g" % d.get("max_abs_logit_diff", float("nan")),
           "lossless", d.get("lossless", "-"), "tokens", d.get("tokens_generated"),
-          "prefix_hit_rate", d.get("prefix_hit_rate"))
+          "prefix_hit_rate", d.get("prefix_hit_rate"), "acceptance_rate", d.get("acceptance_rate", "-"))
 PY
