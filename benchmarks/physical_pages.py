@@ -2,13 +2,17 @@
 """Host time that physical pages add to each decode step (figures in docs/memory.md).
 
 R running requests (default 256) decode one token per step; a request that fills its last
-block takes a new one (lowest-id-last-freed, as BlockPool hands them out); a finished
+block takes a new one (``--alloc lifo``: the id freed last, as BlockPool hands them out;
+``--alloc lowest``: the lowest free id, as ElasticPool does); a finished
 request frees all its blocks and a new one is admitted with its prompt's blocks at once.
 The same loop runs twice, interleaved in chunks: *baseline* keeps only the free list;
 *paged* also tells the PageLedger (``use`` / ``release``); before the launch it polls the
 step events and applies the maps (``PhysicalMemory.before_launch``), after it records the
 step's event, applies the deferred unmaps and tops up the stock (``after_launch``), while
-the device works. ``added_before_launch`` is what lands on the step's critical path. Each step's device work is a sleep kernel (``--gpu-step-us``) so pages
+the device works. ``added_before_launch`` is what lands on the step's critical path.
+``--ahead N`` keeps each pool's N lowest unmapped pages mapped from the stock after each
+launch (``PhysicalMemory(ahead=N)``); ``ahead_hits`` counts maps that found their page
+mapped ahead (no driver call before the launch). Each step's device work is a sleep kernel (``--gpu-step-us``) so pages
 really wait for their step. Reported: per-step host time of each, the difference, p50/p99
 of the between-steps call, maps and unmaps per step, and maps that had to create a page.
 
@@ -16,12 +20,13 @@ Backings: ``vmm`` (CUDA virtual memory, the real thing), ``tensor`` (ordinary te
 map = a 2 MiB copy, not representative of time), ``none`` (ledger only; ops dropped).
 
 Usage: python benchmarks/physical_pages.py [--backing vmm|tensor|none] [--requests 256]
-       [--steps 2000] [--block-bytes 2097152] [--json]
+       [--steps 2000] [--block-bytes 2097152] [--alloc lifo|lowest] [--ahead N] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import platform
 import random
@@ -56,13 +61,18 @@ class Loop:
         self.ledger = mem.ledger if mem is not None else getattr(args, "ledger_only", None)
         self.work = Workload(args, args.seed)
         ceiling = args.ceiling_blocks
-        self.free = list(range(ceiling - 1, -1, -1))  # pops 0, 1, 2, ...
+        self.lowest = args.alloc == "lowest"
+        # lifo: pops 0, 1, 2, ... then the id freed last; lowest: a min-heap
+        self.free = list(range(ceiling)) if self.lowest else list(range(ceiling - 1, -1, -1))
         self.reqs: list[list] = []  # [length, remaining, blocks]
         for _ in range(args.requests):
             self._admit()
 
     def _take(self, n: int) -> list[int]:
-        out = [self.free.pop() for _ in range(n)]
+        if self.lowest:
+            out = [heapq.heappop(self.free) for _ in range(n)]
+        else:
+            out = [self.free.pop() for _ in range(n)]
         if self.paged:
             self.ledger.use(0, out)
         return out
@@ -70,7 +80,11 @@ class Loop:
     def _give(self, blocks: list[int]) -> None:
         if self.paged:
             self.ledger.release(0, blocks)
-        self.free.extend(reversed(blocks))
+        if self.lowest:
+            for b in blocks:
+                heapq.heappush(self.free, b)
+        else:
+            self.free.extend(reversed(blocks))
 
     def _admit(self) -> None:
         prompt, out = self.work.new_request()
@@ -112,6 +126,11 @@ def main(argv=None) -> int:
     p.add_argument("--output", type=int, default=512)
     p.add_argument("--budget-gib", type=float, default=48.0)
     p.add_argument("--stock", type=int, default=16)
+    p.add_argument("--alloc", choices=["lifo", "lowest"], default="lifo",
+                   help="which free block a new one is: the id freed last (BlockPool) or the "
+                        "lowest (ElasticPool)")
+    p.add_argument("--ahead", type=int, default=0,
+                   help="pages per pool mapped ahead after each launch (PhysicalMemory ahead=)")
     p.add_argument("--gpu-step-us", type=float, default=2000.0)
     p.add_argument("--lag", type=int, default=0,
                    help="wait (untimed) for step s - LAG before step s + 1, as an engine waits "
@@ -159,11 +178,12 @@ def main(argv=None) -> int:
             dev = "cuda" if cuda else "cpu"
             backing = TensorBacking(pools, PAGE_BYTES, device=dev,
                                     steps=CudaSteps() if cuda else ManualSteps(True))
-        return PhysicalMemory(led, backing)
+        return PhysicalMemory(led, backing, ahead=args.ahead)
 
     cycles = int(args.gpu_step_us * 1980)  # H200 SM clock ~1.98 GHz under load
     mem = make_mem()
-    op_ns: dict[str, list[int]] = {"map": [], "unmap": [], "set_stock": []}
+    op_ns: dict[str, list[int]] = {"map": [], "unmap": [], "set_stock": [], "map_ahead": [],
+                                   "drop_ahead": []}
     if mem is not None:  # time each backing call (a wrapper: a few hundred ns each)
         def timer(f, out):
             def timed(*a):
@@ -218,6 +238,7 @@ def main(argv=None) -> int:
     res = {
         "backing": backing_kind, "requests": args.requests, "steps": n,
         "block_bytes": args.block_bytes, "block_size": args.block_size,
+        "alloc": args.alloc, "ahead": args.ahead,
         "gpu_step_us": args.gpu_step_us if cuda else 0, "lag": args.lag,
         "baseline_us_per_step": sum(t_base) / n / 1e3,
         "paged_us_per_step": sum(t_paged) / n / 1e3,
@@ -226,6 +247,8 @@ def main(argv=None) -> int:
         "between_steps_p50_us": q[49] / 1e3, "between_steps_p99_us": q[98] / 1e3,
         "maps_per_step": maps / n, "unmaps_per_step": unmaps / n,
         "created_in_map": mem.backing.stats["created_in_map"] if mem else 0,
+        **({f"{k}_per_step": mem.backing.stats[k] / (args.warmup + n)
+            for k in ("ahead_maps", "ahead_hits", "ahead_dropped")} if mem else {}),
         **{f"{k}_us_mean_p99": _mean_p99(v) for k, v in op_ns.items() if v},
         "mapped_gib_end": (mem.ledger if mem else args.ledger_only).mapped_bytes() / 2**30,
         "machine": platform.node(), "python": platform.python_version(),

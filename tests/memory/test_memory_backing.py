@@ -189,3 +189,71 @@ def test_split_around_the_launch_keeps_only_maps_before_it():
     # pages 0, 2, 3 were created in their maps (no stock); 4 and 5 reuse 2 and 3
     assert mem2.backing.physical_pages == 3 and mem2.backing.stats["created_in_map"] == 3
     assert mem2.backing.mapped_pages() == {(0, 0), (0, 4), (0, 5)}
+
+
+def test_pages_mapped_ahead_serve_the_ledger_s_map_and_count_as_stock():
+    b = TensorBacking(POOLS, page_bytes=PAGE)
+    b.set_stock(3)
+    assert b.map_ahead(0, 4) and b.ahead_pages() == {(0, 4)}
+    assert not b.map_ahead(0, 4)  # already there
+    assert b.mapped_pages() == set() and b.stock == 2 and b.physical_pages == 3
+    b.set_stock(3)  # ahead pages are stock: nothing created
+    assert b.stock == 2 and b.stats["created"] == 3
+    data = torch.randint(0, 255, (PAGE,), dtype=torch.uint8)
+    b.map(0, 4)  # the ledger's map: no attach, no stock taken
+    page_bytes(b, 0, 4).copy_(data)
+    assert b.mapped_pages() == {(0, 4)} and b.ahead == 0 and b.stock == 2
+    assert b.stats["ahead_hits"] == 1 and b.stats["maps"] == 1
+    assert torch.equal(page_bytes(b, 0, 4), data)
+    # an empty stock: a map elsewhere takes a page mapped ahead back instead of creating one
+    assert b.map_ahead(1, 0) and b.map_ahead(1, 1) and b.stock == 0
+    b.map(0, 5)
+    assert b.stats["created_in_map"] == 0 and b.stats["ahead_dropped"] == 1
+    assert b.ahead == 1 and b.physical_pages == 3  # nothing created since set_stock(3)
+    assert bool((page_bytes(b, 1, 0) == POISON).all() or (page_bytes(b, 1, 1) == POISON).all())
+    b.set_stock(0)  # fewer pages wanted than mapped ahead: those go first
+    assert b.ahead == 0 and b.stock == 0 and b.physical_pages == 2
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        b.map_ahead(0, 6)
+
+
+def test_map_ahead_moves_a_lowest_id_pool_s_maps_off_the_critical_path():
+    """Blocks taken lowest id first (as ElasticPool takes them), one per page: after the
+    first step every map before a launch was mapped ahead, and physical pages stay within
+    the budget."""
+    pools = [PoolRange(0, block_bytes=PAGE, ceiling_blocks=12, floor_blocks=1)]
+    led = PageLedger(pools, budget_bytes=8 * PAGE, page_bytes=PAGE, stock_pages=3)
+    steps = ManualSteps(True)
+    mem = PhysicalMemory(led, TensorBacking(pools, page_bytes=PAGE, steps=steps), ahead=2)
+    b = mem.backing
+    created_at_start = b.stats["created_in_map"]  # the floor's page, before any stock
+    mem.before_launch()
+    mem.after_launch(0)
+    assert b.ahead_pages() == {(0, 1), (0, 2)} and b.stock == 1
+    used = [0]
+    for step in range(1, 6):
+        nxt = max(used) + 1
+        led.use(0, [nxt])
+        used.append(nxt)
+        before = b.stats["ahead_maps"]
+        ops = mem.before_launch()
+        assert ops == [MapOp(0, nxt)]
+        assert b.stats["ahead_maps"] == before  # no driver call before the launch
+        mem.after_launch(step)
+        assert b.physical_pages <= 8
+    assert b.stats["ahead_hits"] == 5 and b.stats["created_in_map"] == created_at_start
+    assert b.mapped_pages() == {(0, pg) for pg in used}
+    # the budget fills up: the stock shrinks and the pages mapped ahead go with it
+    led.use(0, [6, 7])
+    mem.before_launch()
+    mem.after_launch(6)
+    assert led.free_bytes() == 0 and b.ahead == 0 and b.physical_pages == 8
+    # freed low pages become the lowest unmapped ones: the guess follows them
+    led.release(0, [1, 2])
+    mem.before_launch()
+    mem.after_launch(7)  # step 7 is done (synchronous steps): pages 1, 2 unmapped
+    mem.before_launch()
+    mem.after_launch(8)
+    assert b.ahead_pages() == {(0, 1), (0, 2)}
+    with pytest.raises(InvalidArgumentError, match="ahead"):
+        PhysicalMemory(led, b, ahead=-1)

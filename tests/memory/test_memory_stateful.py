@@ -1,7 +1,8 @@
 """Stateful property test: the page ledger driving a tensor backing, bytes and all.
 
 Random use (then write a fresh byte into every byte of the block) / release / launch /
-complete / between-steps (or before-launch + after-launch) sequences over a straddling pool and a multi-page slot pool.
+complete / between-steps (or before-launch + after-launch, with 0-2 pages per pool mapped
+ahead) sequences over a straddling pool and a multi-page slot pool.
 Invariants: every block holding data reads back exactly what was written to it, however
 its pages moved; physical pages (mapped + stock) never exceed the budget; the backing's
 mapped pages are the ledger's held pages after each between-steps; the backing never
@@ -28,15 +29,17 @@ PAGE = 16
 
 
 class BytesMachine(RuleBasedStateMachine):
-    @initialize(budget=st.integers(3, 10), stock=st.integers(0, 3), floor=st.integers(0, 2))
-    def setup(self, budget, stock, floor):
+    @initialize(budget=st.integers(3, 10), stock=st.integers(0, 3), floor=st.integers(0, 2),
+                ahead=st.integers(0, 2))
+    def setup(self, budget, stock, floor, ahead):
         self.pools = [PoolRange(0, block_bytes=12, ceiling_blocks=10, floor_blocks=floor),
                       PoolRange(1, block_bytes=40, ceiling_blocks=3)]
         self.budget = budget
         self.steps = ManualSteps()
         self.led = PageLedger(self.pools, budget_bytes=budget * PAGE, page_bytes=PAGE,
                               stock_pages=stock)
-        self.mem = PhysicalMemory(self.led, TensorBacking(self.pools, PAGE, steps=self.steps))
+        self.mem = PhysicalMemory(self.led, TensorBacking(self.pools, PAGE, steps=self.steps),
+                                  ahead=ahead)
         self.data: dict[tuple[int, int], int] = {}  # (pool, block) -> byte written
         self.unwritten: set[tuple[int, int]] = set()  # used, not yet mapped and written
         self.step = -1
@@ -104,8 +107,12 @@ class BytesMachine(RuleBasedStateMachine):
     def bytes_survive(self):
         if not hasattr(self, "mem"):
             return
-        assert self.mem.backing.physical_pages <= self.budget
+        backing = self.mem.backing
+        assert backing.physical_pages <= self.budget
+        # pages mapped ahead are the ledger's unmapped ones: no block holding data is on one
+        assert not backing.ahead_pages() & backing.mapped_pages()
         for (pool, block), v in self.data.items():
+            assert not any((pool, pg) in backing.ahead_pages() for pg in self.led.pages_of(pool, block))
             assert bool((self._bytes(pool, block) == v).all()), f"block {block} of pool {pool}"
 
     def teardown(self):

@@ -494,6 +494,24 @@ class PageLedger:
                 if state[pg] != _UNMAPPED and count[pg] < len(self.blocks_on_page(pool_id, pg))]
         return heapq.nlargest(n, room, key=lambda t: (t[1], -t[0]))
 
+    def lowest_unmapped_pages(self, pool_id: PoolId, n: int) -> list[int]:
+        """The pool's ``n`` (or fewer) lowest pages that are neither held nor queued to
+        map: where its next maps land when new blocks take the lowest free ids, as
+        :class:`~pagedkv.blocks.elastic.ElasticPool` does (every block of an unmapped page
+        is free, so the lowest free id on an unmapped page is on the lowest one). The
+        backing can map them ahead, off the step's critical path."""
+        p = self._pool(pool_id)
+        if self._dirty:
+            self._settle()
+        state, out, pg = p.state, [], p.floor_pages
+        while len(out) < n:
+            pg = state.find(_UNMAPPED, pg)
+            if pg < 0:
+                break
+            out.append(pg)
+            pg += 1
+        return out
+
     # ---- steps and ops ----------------------------------------------------------------
 
     def step_launched(self, step: int) -> None:

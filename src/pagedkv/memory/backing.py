@@ -6,6 +6,12 @@ mapped). Mapping takes the page unmapped last (so a page moved from one pool to 
 keeps its bytes); it creates one only when the stock is empty, which :meth:`set_stock`,
 called between steps, avoids. An unmap first makes sure the step it waits for finished.
 
+A stock page may also be mapped *ahead* (:meth:`map_ahead`) where the ledger is expected
+to map next: the driver calls then happen after a launch, while the device works, and the
+ledger's map of that page only moves it to the mapped set. Ahead pages hold no data, no
+queued work reads them, and they count as stock: mapped + stock + ahead pages stay within
+what :meth:`set_stock` was told, so physical memory never exceeds the budget.
+
 :class:`TensorBacking` emulates this with ordinary tensors on any device: the pool tensor
 is allocated whole, a mapped page's bytes live in it, an unmapped page's bytes live in its
 physical page and the pool range is filled with 0xFF (NaN in every float format), so a
@@ -41,8 +47,10 @@ class Backing:
         self.num_pages = {p.pool_id: virtual_pages(p, page_bytes) for p in pools}
         self._mapped: dict[tuple[PoolId, int], Any] = {}
         self._stock: list[Any] = []
+        self._ahead: dict[tuple[PoolId, int], Any] = {}  # stock pages mapped ahead of need
         self.stats = {"maps": 0, "unmaps": 0, "created": 0, "released": 0,
-                      "created_in_map": 0, "unmap_waits": 0}
+                      "created_in_map": 0, "unmap_waits": 0, "ahead_maps": 0,
+                      "ahead_hits": 0, "ahead_dropped": 0}
 
     # ---- subclass hooks -------------------------------------------------------------
 
@@ -70,8 +78,16 @@ class Backing:
 
     @property
     def physical_pages(self) -> int:
-        """Pages that exist: mapped plus stock."""
-        return len(self._mapped) + len(self._stock)
+        """Pages that exist: mapped, stock and mapped ahead."""
+        return len(self._mapped) + len(self._stock) + len(self._ahead)
+
+    @property
+    def ahead(self) -> int:
+        """Stock pages mapped ahead of need (see :meth:`map_ahead`)."""
+        return len(self._ahead)
+
+    def ahead_pages(self) -> set[tuple[PoolId, int]]:
+        return set(self._ahead)
 
     def is_mapped(self, pool_id: PoolId, page: int) -> bool:
         return (pool_id, page) in self._mapped
@@ -83,6 +99,14 @@ class Backing:
         key = self._key(pool_id, page)
         if key in self._mapped:
             raise CacheCorruptedError(f"pool {pool_id}: page {page} mapped twice")
+        handle = self._ahead.pop(key, None)
+        if handle is not None:  # mapped ahead: no driver call now
+            self._mapped[key] = handle
+            self.stats["maps"] += 1
+            self.stats["ahead_hits"] += 1
+            return
+        if not self._stock and self._ahead:  # take back a page mapped elsewhere ahead
+            self.drop_ahead(next(iter(self._ahead)))
         if self._stock:
             handle = self._stock.pop()
         else:
@@ -103,8 +127,31 @@ class Backing:
         self._stock.append(handle)
         self.stats["unmaps"] += 1
 
+    def map_ahead(self, pool_id: PoolId, page: int) -> bool:
+        """Map a stock page at ``page`` of the pool before the ledger asks for it; False
+        (nothing done) when it is mapped already or the stock is empty. Never creates."""
+        key = self._key(pool_id, page)
+        if key in self._mapped or key in self._ahead or not self._stock:
+            return False
+        handle = self._stock.pop()
+        self._attach(pool_id, page, handle)
+        self._ahead[key] = handle
+        self.stats["ahead_maps"] += 1
+        return True
+
+    def drop_ahead(self, key: tuple[PoolId, int]) -> None:
+        """Unmap a page mapped ahead (no work reads it) back into the stock."""
+        handle = self._ahead.pop(key)
+        self._detach(key[0], key[1], handle)
+        self._stock.append(handle)
+        self.stats["ahead_dropped"] += 1
+
     def set_stock(self, pages: int) -> None:
-        """Create or release pages until ``pages`` wait in the stock (between steps)."""
+        """Create or release pages until ``pages`` wait in the stock, pages mapped ahead
+        included (between steps); ahead pages are dropped first if they alone exceed it."""
+        while len(self._ahead) > pages:
+            self.drop_ahead(next(iter(self._ahead)))
+        pages -= len(self._ahead)
         while len(self._stock) < pages:
             self._stock.insert(0, self._create())  # fresh pages go last in line
             self.stats["created"] += 1
@@ -134,7 +181,7 @@ class Backing:
         dropped first on a virtual-memory backing)."""
         for pool_id, page in list(self._mapped):
             self.unmap(pool_id, page)
-        self.set_stock(0)
+        self.set_stock(0)  # drops the pages mapped ahead too
 
     def _key(self, pool_id: PoolId, page: int) -> tuple[PoolId, int]:
         n = self.num_pages.get(pool_id)

@@ -8,7 +8,12 @@ the event every later unmap of a page that step read will wait for).
 
 :meth:`before_launch` / :meth:`after_launch` split the same work around the launch so that
 only the maps the step needs stay on its critical path: unmaps (whose steps have finished)
-and the stock's page creation run after the launch, while the device works.
+and the stock's page creation run after the launch, while the device works. With
+``ahead=n``, :meth:`after_launch` also maps each pool's ``n`` lowest unmapped pages from the
+stock (:meth:`PageLedger.lowest_unmapped_pages`: where the next maps land, since elastic
+pools take the lowest free ids), so a step whose new blocks land there finds their pages
+mapped and its maps cost no driver call; a wrong guess costs a stock page's unmap, after a
+launch or, when the stock runs dry, before one.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pagedkv.errors import InvalidArgumentError
 
 
 class PhysicalMemory:
-    def __init__(self, ledger: PageLedger, backing: Any) -> None:
+    def __init__(self, ledger: PageLedger, backing: Any, ahead: int = 0) -> None:
         if ledger.page_bytes != backing.page_bytes:
             raise InvalidArgumentError(
                 f"ledger pages of {ledger.page_bytes} bytes, backing pages of "
@@ -28,8 +33,14 @@ class PhysicalMemory:
         missing = [p for p in backing.pools if ledger.pool_range(p) != backing.pools[p]]
         if missing:
             raise InvalidArgumentError(f"pools {missing} differ between ledger and backing")
+        if not isinstance(ahead, int) or ahead < 0:
+            raise InvalidArgumentError(f"ahead must be an int >= 0, got {ahead!r}")
         self.ledger = ledger
         self.backing = backing
+        self.ahead = ahead
+        # pools that can grow past their floor: the only ones a map can land in
+        self._growable = [p.pool_id for p in backing.pools.values()
+                          if p.ceiling_blocks > p.floor_blocks]
         self._deferred: list[PageOp] = []
         self.between_steps()  # the floors
 
@@ -62,7 +73,9 @@ class PhysicalMemory:
         ops = led.drain()
         maps = [op for op in ops if isinstance(op, MapOp)]
         unmaps = [op for op in ops if not isinstance(op, MapOp)]
-        short = max(0, len(maps) - self.backing.stock)
+        # pages the maps can take without creating one: the stock, and pages mapped ahead
+        # (the right ones cost nothing, the others are taken back)
+        short = max(0, len(maps) - self.backing.stock - self.backing.ahead)
         self.backing.apply(unmaps[:short])  # their pages serve the maps: nothing created
         self.backing.apply(maps)
         self._deferred += unmaps[short:]
@@ -75,3 +88,19 @@ class PhysicalMemory:
         deferred, self._deferred = self._deferred, []
         self.backing.apply(deferred)
         self.backing.set_stock(self.ledger.stock_wanted())
+        if self.ahead:
+            self._map_ahead()
+
+    def _map_ahead(self) -> None:
+        """Keep each growable pool's ``ahead`` lowest unmapped pages mapped, from the stock;
+        pages mapped ahead that are no longer among them go back to the stock."""
+        led, backing, n = self.ledger, self.backing, self.ahead
+        stale = backing.ahead_pages()
+        wanted = [(pid, pg) for pid in self._growable for pg in led.lowest_unmapped_pages(pid, n)]
+        stale.difference_update(wanted)
+        for key in stale:
+            backing.drop_ahead(key)
+        for pid, pg in wanted:
+            if not backing.stock:
+                break
+            backing.map_ahead(pid, pg)
