@@ -143,3 +143,20 @@ def test_a_graph_captured_before_its_pages_were_mapped_replays_after(backing):
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), data.cpu().to(torch.int16))
     assert torch.equal(region.cpu(), (data + 1).cpu())
+
+
+def test_a_page_mapped_ahead_is_written_and_read_once_the_ledger_maps_it(backing):
+    backing.set_stock(3)
+    assert backing.map_ahead(0, 7) and backing.map_ahead(1, 0)
+    backing.map(0, 7)  # the ledger's map: no driver call, the page is the one mapped ahead
+    t = backing.tensor(0)
+    data = rand_bytes(P, seed=7)
+    t[7 * P:8 * P].copy_(data)
+    backing.map(0, 8)  # from the stock
+    t[8 * P:9 * P].copy_(rand_bytes(P, seed=8))
+    torch.cuda.synchronize()
+    assert torch.equal(t[7 * P:8 * P], data)
+    assert backing.stats["ahead_hits"] == 1 and backing.ahead == 1
+    backing.set_stock(0)  # the page still mapped ahead goes back and is released
+    assert backing.ahead == 0 and backing.physical_pages == 2
+    assert torch.equal(t[7 * P:8 * P], data)
