@@ -34,6 +34,7 @@ def fill_derived(
     row_req: np.ndarray | None,
     row_in_req: np.ndarray | None,
     fresh: bool = True,
+    pages_list: bool = True,
 ) -> int:
     """Write seq_lens, last-page lengths, CSR pages, slots and positions of the ``n`` real
     rows (``len(seq_lens)``) and zero/-1 the padding; ``arrays["block_table"]`` is filled
@@ -42,7 +43,8 @@ def fill_derived(
     Token row t belongs to request ``row_req[t]`` and is its ``row_in_req[t]``-th new token;
     both None: one token row per request (a pure decode step). ``fresh=False``: the arrays
     were last filled for a step of the same shape, row count and kind, so what depends on
-    those alone (``indptr[0]``, padding rows but the indptr tail) is already written."""
+    those alone (``indptr[0]``, padding rows but the indptr tail) is already written.
+    ``pages_list=False``: the caller has written the CSR page list itself (left untouched)."""
     bs, n = group.block_size, seq_lens.shape[0]
     offset = group.position_offset
     decode = row_req is None or row_in_req is None
@@ -69,7 +71,7 @@ def fill_derived(
             seq[n:] = 0
             last[n:] = 0
         indptr[n + 1 :] = nnz
-    if nnz:
+    if nnz and pages_list:
         used = width
         if width > 64:  # a fixed-width table (CUDA graphs) may be far wider than any row reads
             used = int(pages.max())
