@@ -345,7 +345,11 @@ class MetadataBuilder:
 
         total = computed + new
         tables = self._tables.values()
-        plans = [self._plan(table, rows, total, max_blocks, ids) for table in tables]
+        # a decode step's positions are the computed counts: each offset-0 group's page
+        # column and in-page offset of them, one divmod per block size
+        split: dict[int, tuple[np.ndarray, np.ndarray]] | None = {} if decode else None
+        plans = [self._plan(table, rows, total, max_blocks, ids, computed, split)
+                 for table in tables]
         widths = tuple(p[0] for p in plans)
         for table, width in zip(tables, widths, strict=True):
             if width > table.ids.shape[1]:
@@ -376,7 +380,7 @@ class MetadataBuilder:
         previous = self._buffers.previous(entry) if carry is not None else None
         nnz = []
         states = []
-        for i, (table, (width, seq_lens, pages), host) in enumerate(
+        for i, (table, (width, seq_lens, pages, cols), host) in enumerate(
                 zip(tables, plans, hosts, strict=True)):
             src = table.ids if width == table.ids.shape[1] else table.ids[:, :width]
             block_table = host["block_table"]
@@ -386,7 +390,7 @@ class MetadataBuilder:
             carried = previous is not None and _carry_pages(
                 carry[2][i], table.edits, pages, block_table, host, previous[i])  # type: ignore[index]
             count = fill_derived(host, table.group, seq_lens, pages, computed, row_req, row_in_req,
-                                 fresh, not carried)
+                                 fresh, not carried, cols)
             nnz.append(count)
             states.append((table.edits, pages))
             if reqs is not None:
@@ -413,7 +417,7 @@ class MetadataBuilder:
         }
         out = {}
         seq_host: dict[int, dict[str, object]] = {}  # one offset, one set of lengths
-        for table, (_, seq_lens, _), dev, page_list in zip(tables, plans, views, page_lists,
+        for table, (_, seq_lens, _, _), dev, page_list in zip(tables, plans, views, page_lists,
                                                             strict=True):
             group = table.group
             k = group.position_offset
@@ -445,12 +449,22 @@ class MetadataBuilder:
         return arr, least
 
     @staticmethod
-    def _plan(table: _Table, rows, total, max_blocks, req_ids):
-        """(block-table width, seq_lens, pages) of one group's step."""
+    def _plan(table: _Table, rows, total, max_blocks, req_ids, computed, split):
+        """(block-table width, seq_lens, pages, cols) of one group's step; ``cols``: the
+        (page column, in-page offset) of each row's position in a decode step of an offset-0
+        group (``split``: those already made this step, by block size), else None."""
         group, bs = table.group, table.group.block_size
         k = group.position_offset
-        seq_lens = np.maximum(total - k, 0) if k else total
-        pages = (seq_lens + (bs - 1)) // bs
+        cols = None
+        if split is not None and not k:
+            cols = split.get(bs)
+            if cols is None:
+                cols = split[bs] = np.divmod(computed, bs)
+            seq_lens = total
+            pages = cols[0] + 1  # the new token's position is `computed`: its page is the last
+        else:
+            seq_lens = np.maximum(total - k, 0) if k else total
+            pages = (seq_lens + (bs - 1)) // bs
         lens = table.lens[rows]
         short = lens < pages
         if _any(short):
@@ -468,7 +482,7 @@ class MetadataBuilder:
                 raise InvalidArgumentError(
                     f"group {group.id}: max_blocks={width} but a request reads {need} blocks"
                 )
-        return width, seq_lens, pages
+        return width, seq_lens, pages, cols
 
     def _requests(self, req_ids, computed, new, drafts) -> list[ScheduledRequest]:
         """The step as ScheduledRequests (checked mode only: slow)."""
