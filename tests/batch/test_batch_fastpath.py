@@ -128,6 +128,7 @@ def mode(request, device, monkeypatch):
         pytest.skip("the real device path runs in the plain and carry modes")
     if request.param != "plain":
         monkeypatch.setattr(incremental, "_CARRY_PAGES_PER_INSERT", 0)
+        monkeypatch.setattr(incremental, "_CARRY_MIN_PAGES", 0)
     calls = {"carried": 0, "inserted": 0}
     real = incremental._carry_pages
 
@@ -309,6 +310,7 @@ def test_carried_page_lists_equal_build_metadata_in_steady_decode(monkeypatch, e
     with page openings, a window free and a rollback (table edits: no carry) on the way; the
     insertion path must run, and every step equals build_metadata."""
     monkeypatch.setattr(incremental, "_CARRY_PAGES_PER_INSERT", 0)
+    monkeypatch.setattr(incremental, "_CARRY_MIN_PAGES", 0)
     calls = {"carried": 0, "inserted": 0}
     real = incremental._carry_pages
 

@@ -493,8 +493,10 @@ class MetadataBuilder:
 
 
 # a page list is carried over (opened pages inserted) only while the insertions are few: each
-# costs ~0.5 us of Python, the boolean gather ~1.3 ns per page of the whole list (this machine)
+# costs ~0.5 us of Python, the boolean gather ~1.3 ns per page of the whole list (this machine);
+# and only for lists long enough that the gather costs more than the carry's fixed ~6 us
 _CARRY_PAGES_PER_INSERT = 384
+_CARRY_MIN_PAGES = 8192
 
 
 def _carry_pages(state, edits, pages, block_table, host, previous) -> bool:
@@ -510,13 +512,15 @@ def _carry_pages(state, edits, pages, block_table, host, previous) -> bool:
     n = pages.shape[0]
     if old_edits != edits or n == 0:
         return False
+    indptr = previous["paged_kv_indptr"]
+    hi = int(indptr[n])  # the previous list's length
+    if hi < _CARRY_MIN_PAGES:
+        return False
     diff = pages - old
     if int(_max(diff.view(np.uint64))) > 1:  # (a negative difference reads as huge)
         return False
     changed = np.flatnonzero(diff)
     k = changed.shape[0]
-    indptr = previous["paged_kv_indptr"]
-    hi = int(indptr[n])  # the previous list's length
     if k * _CARRY_PAGES_PER_INSERT > hi:
         return False
     dst_arr, src_arr = host["paged_kv_indices"], previous["paged_kv_indices"]
