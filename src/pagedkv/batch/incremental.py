@@ -16,6 +16,7 @@ block-table row. Block ids are range-checked once, when they enter the table.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -207,7 +208,8 @@ class MetadataBuilder:
                     f"{rows.shape[0]} requests"
                 )
             # two reductions; the offending entry is looked for only when there is one
-            if arr.shape[0] and (int(_min(arr)) < 0 or int(_max(arr)) >= table.limit):
+            # one reduction: a negative id reads as huge unsigned
+            if arr.shape[0] and int(_max(arr.view(np.uint64))) >= table.limit:
                 i = int(np.flatnonzero((arr < 0) | (arr >= table.limit))[0])
                 raise MetadataError(
                     f"group {gid}: request {req_ids[i]!r} was given block id {int(arr[i])}, "
@@ -215,7 +217,7 @@ class MetadataBuilder:
                 )
             checked.append((table, arr))
         for table, arr in checked:  # every group checked before any changes
-            cols = table.lens[rows]
+            cols = table.lens.take(rows)
             if rows.shape[0]:
                 widest = int(_max(cols))
                 if widest >= table.ids.shape[1]:
@@ -330,7 +332,7 @@ class MetadataBuilder:
         # one token row per request: no per-token index arrays (the decode fast path)
         decode = num_tokens == n and (n == 0 or shortest == 1)
         if num_draft_tokens is None:
-            drafts = (0,) * n
+            drafts = _repeated(0, n)
         else:
             d, _ = self._counts("num_draft_tokens", num_draft_tokens, n)
             over = np.nonzero(d > new)[0]
@@ -402,7 +404,7 @@ class MetadataBuilder:
         qsl_dev, views, page_lists = self._buffers.send(entry, nnz)
         self._carry = (entry, rows, states)
         if decode:
-            query_lens, bounds = (1,) * n, (1, 1)
+            query_lens, bounds = _repeated(1, n), (1, 1)
         else:
             query_lens = tuple(new.tolist())
             bounds = (min(query_lens, default=0), max(query_lens, default=0))
@@ -465,7 +467,7 @@ class MetadataBuilder:
         else:
             seq_lens = np.maximum(total - k, 0) if k else total
             pages = (seq_lens + (bs - 1)) // bs
-        lens = table.lens[rows]
+        lens = table.lens.take(rows)
         short = lens < pages
         if _any(short):
             i = int(np.argmax(short))
@@ -490,6 +492,12 @@ class MetadataBuilder:
             ScheduledRequest(rid, int(c), int(n), {gid: self.blocks(rid, gid) for gid in self._tables}, d)
             for rid, c, n, d in zip(req_ids, computed, new, drafts, strict=True)
         ]
+
+
+@lru_cache(maxsize=16)
+def _repeated(value: int, n: int) -> tuple[int, ...]:
+    """(value,) * n, made once per (value, n): a decode step's query lengths and drafts."""
+    return (value,) * n
 
 
 # a page list is carried over (opened pages inserted) only while the insertions are few: each
