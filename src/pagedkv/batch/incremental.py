@@ -207,8 +207,8 @@ class MetadataBuilder:
                     f"append_each: group {gid} has {arr.shape[0]} block ids for "
                     f"{rows.shape[0]} requests"
                 )
-            # two reductions; the offending entry is looked for only when there is one
-            # one reduction: a negative id reads as huge unsigned
+            # one reduction (a negative id reads as huge unsigned); the offending entry is
+            # looked for only when there is one
             if arr.shape[0] and int(_max(arr.view(np.uint64))) >= table.limit:
                 i = int(np.flatnonzero((arr < 0) | (arr >= table.limit))[0])
                 raise MetadataError(
