@@ -353,3 +353,18 @@ def test_carried_page_lists_equal_build_metadata_in_steady_decode(monkeypatch, e
                 blocks[g.id] = cut[g.id]
             run.each("set_blocks", rid, cut)
     assert calls["carried"] > 100 and calls["inserted"] > 50, calls
+
+
+def test_copy_bytes_cover_the_used_pages_in_granules():
+    """copy_bytes: what the step's one copy covers (on CPU: what a CUDA step would copy), up
+    to the last group's used pages, rounded up to the 4 KiB granule within the buffer."""
+    group = make_group(0, 4, num_blocks=4000)
+    pm = PersistentMetadata([group], max_blocks=300, batch_buckets=[64], device="cpu")
+    assert pm.copy_bytes == 0
+    for i in range(40):
+        pm.add(i, {0: list(range(i * 90, i * 90 + 90))})
+    meta = pm.step(list(range(40)), [300] * 40, [1] * 40)[0]
+    pages_end = (meta.paged_kv_indices.data_ptr() - meta.slot_mapping.data_ptr()
+                 + 4 * meta.paged_kv_indices.numel())  # slots are the buffer's first array
+    assert meta.paged_kv_indices.numel() == 40 * 76
+    assert pm.copy_bytes == -(-pages_end // 4096) * 4096 <= pm.nbytes

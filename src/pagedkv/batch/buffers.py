@@ -161,11 +161,21 @@ class StepBuffers:
         self._filled: list[object] = []
         self._stream_raw: int | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._last: tuple[_Shape, list[int]] | None = None  # the last step's shape and nnz
         self._allocate(max(capacity or 0, 64))
 
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes the last step's host-to-device copy covered (on a CPU device, where no copy
+        is made: what a CUDA step of the same shape would copy); 0 before any step."""
+        if self._last is None:
+            return 0
+        entry, nnz = self._last
+        return entry.layout.copy_end(nnz)
 
     def _allocate(self, nbytes: int) -> None:
         ring = 2 if self._cuda or self._emulate else 1
@@ -253,6 +263,7 @@ class StepBuffers:
                 self._pending[turn] = True
             if len(self._raw) > 1:
                 self._turn = turn ^ 1
+        self._last = (entry, nnz)
         qsl, groups = entry.device
         cache = entry.pages
         pages = []

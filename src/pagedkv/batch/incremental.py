@@ -141,6 +141,12 @@ class MetadataBuilder:
             for g in self.groups
         }
 
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes the last step's one host-to-device copy covered (on a CPU device, which
+        needs no copy: what a CUDA step of the same shape would copy)."""
+        return self._buffers.copy_bytes
+
     # -- request lifecycle ---------------------------------------------------------------
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._rows
