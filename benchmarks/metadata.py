@@ -161,7 +161,7 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
                               causal=True)
         t2 = time.perf_counter_ns()
         if record:
-            copied[name].append(builder.copy_bytes)
+            copied[name].append(getattr(builder, "copy_bytes", None))  # (older builders: none)
             times[name].append(t2 - t1)
             times[name + TOTAL].append(t2 - t0)
             if name == INCREMENTAL:
@@ -213,7 +213,9 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
         elif name.endswith(TOTAL):
             label = "  + appends (an engine's step)"
         owner = name.removesuffix(TOTAL)
-        nbytes = statistics.median(copied[owner]) if owner in copied else None
+        nbytes = None
+        if owner in copied and None not in copied[owner]:
+            nbytes = statistics.median(copied[owner])
         rows.append((batch, label, medians[name], medians[name] / base, tenths[name], nbytes,
                      name))
     return rows, mismatch, count
