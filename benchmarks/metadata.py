@@ -20,7 +20,8 @@ engine's decode step pays for its metadata (the issue's target applies to this).
 Reported per path: median host time of a step (perf_counter; the device work is not waited
 for), its ratio to the stateless path of the same run, the 10th percentile (on a shared
 machine: the steps least disturbed by other processes), and the host-to-device copies one
-step issues (torch profiler ``HtoD`` memcpy events; none on CPU). The incremental and
+step issues (torch profiler ``HtoD`` memcpy events; none on CPU) and the bytes a builder step's
+copy covers (``copy_bytes``; on CPU what a CUDA step would copy). The incremental and
 persistent outputs are compared with ``build_metadata`` on every 10th step.
 
 The table is printed after all timing (and after the breakdown, when asked for), then the
@@ -160,6 +161,7 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
                               causal=True)
         t2 = time.perf_counter_ns()
         if record:
+            copied[name].append(getattr(builder, "copy_bytes", None))  # (older builders: none)
             times[name].append(t2 - t1)
             times[name + TOTAL].append(t2 - t0)
             if name == INCREMENTAL:
@@ -173,6 +175,7 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
 
     times: dict[str, list[int]] = {STATELESS: [], INCREMENTAL: [], APPENDS: [], PERSISTENT: [],
                                    INCREMENTAL + TOTAL: [], PERSISTENT + TOTAL: []}
+    copied: dict[str, list[int]] = {name: [] for name in runs}  # bytes a step's copy covers
     mismatch: list = []
     warmup = 5
     done = 0
@@ -209,7 +212,12 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             label = f"  appends (append_each, ~{batch / BLOCK:g} reqs)"
         elif name.endswith(TOTAL):
             label = "  + appends (an engine's step)"
-        rows.append((batch, label, medians[name], medians[name] / base, tenths[name], name))
+        owner = name.removesuffix(TOTAL)
+        nbytes = None
+        if owner in copied and None not in copied[owner]:
+            nbytes = statistics.median(copied[owner])
+        rows.append((batch, label, medians[name], medians[name] / base, tenths[name], nbytes,
+                     name))
     return rows, mismatch, count
 
 
@@ -359,12 +367,15 @@ def main(argv=None) -> int:
         if dev.type == "cuda":
             cuda_calls()
     # the table last: its copy counts use the profiler, which runs after all timing
-    print("%-6s %-36s %10s %9s %9s %10s" % ("batch", "path", "host us", "vs old", "p10 us",
-                                             "H2D/step"))
+    print("%-6s %-36s %10s %9s %9s %10s %12s" % ("batch", "path", "host us", "vs old", "p10 us",
+                                                  "H2D/step", "copy B/step"))
     for rows, count in results:
         copies = count()
-        for *row, name in rows:
-            print("%-6d %-36s %10.1f %8.2fx %9.1f %10d" % (*row, copies.get(name, 0)), flush=True)
+        for *row, nbytes, name in rows:
+            print("%-6d %-36s %10.1f %8.2fx %9.1f %10d %12s" % (
+                *row, copies.get(name, 0), "-" if nbytes is None else f"{nbytes:,.0f}"), flush=True)
+    print("# copy B/step: median bytes of a builder step's one host-to-device copy (on a CPU "
+          "device, which copies nothing: what a CUDA step of the same shape would copy)")
     print(load)
     if bad:
         print(f"pagedkv: error: metadata differs from build_metadata at {bad[:5]}", file=sys.stderr)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st  # noqa: E402
 from test_batch import make_group  # noqa: E402
 from test_batch_incremental import assert_same  # noqa: E402
 
-from pagedkv.batch import ScheduledRequest, build_metadata  # noqa: E402
+from pagedkv.batch import ScheduledRequest, build_metadata, incremental  # noqa: E402
+from pagedkv.batch.buffers import StepBuffers  # noqa: E402
 from pagedkv.batch.incremental import MetadataBuilder  # noqa: E402
 from pagedkv.batch.persistent import PersistentMetadata  # noqa: E402
 from pagedkv.errors import InvalidArgumentError, MetadataError  # noqa: E402
@@ -43,7 +44,7 @@ def groups():
 class Run:
     """A toy scheduler + block manager feeding both builders the same bookkeeping."""
 
-    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int, device: torch.device | str = "cpu", emulate: bool = False) -> None:
         self.rng = random.Random(seed)
         self.groups = groups()
         self.builders = [
@@ -51,6 +52,11 @@ class Run:
             PersistentMetadata(self.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
                                token_buckets=TOKEN_BUCKETS, device=device, rows=2),
         ]
+        if emulate:  # the CUDA buffer path on the CPU: two host buffers, a separate device one
+            for b in self.builders:
+                old = b._buffers
+                b._buffers = StepBuffers(old.device, old.nbytes if old.fixed else None,
+                                         emulate_device=True)
         self.pool = list(range(1, NUM_BLOCKS))  # block 0 stands for a freed window block
         self.rng.shuffle(self.pool)
         self.live: dict[str, list] = {}  # req_id -> [computed, {gid: [ids]}]
@@ -113,11 +119,33 @@ def bucket(n: int, buckets: list[int]) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
 
 
-# (the device fixture is one value for the whole session: safe to share across examples)
+@pytest.fixture(params=["plain", "carry", "emulated"])
+def mode(request, device, monkeypatch):
+    """plain: as shipped; carry: page lists carried over whenever they can be (the shipped
+    threshold leaves tiny batches on the gather); emulated: carry, on the CUDA buffer path
+    emulated on a CPU device (a CUDA test device runs the real one)."""
+    if request.param == "emulated" and torch.device(device).type != "cpu":
+        pytest.skip("the real device path runs in the plain and carry modes")
+    if request.param != "plain":
+        monkeypatch.setattr(incremental, "_CARRY_PAGES_PER_INSERT", 0)
+        monkeypatch.setattr(incremental, "_CARRY_MIN_PAGES", 0)
+    calls = {"carried": 0, "inserted": 0}
+    real = incremental._carry_pages
+
+    def counted(state, edits, pages, *args):
+        done = real(state, edits, pages, *args)
+        calls["carried"] += done
+        calls["inserted"] += done and bool((pages != state[1]).any())
+        return done
+    monkeypatch.setattr(incremental, "_carry_pages", counted)
+    return request.param, calls
+
+
+# (fixtures are per test function, not per example: safe to share across examples)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(0, 2**32 - 1))
-def test_fast_path_equals_build_metadata_over_decode_runs(device, seed):
-    run = Run(seed, device)
+def test_fast_path_equals_build_metadata_over_decode_runs(device, mode, seed):
+    run = Run(seed, device, emulate=mode[0] == "emulated")
     rng = run.rng
     for _ in range(rng.randint(1, 6)):
         run.admit()
@@ -274,3 +302,69 @@ def test_refilled_buffers_rewrite_what_changes_with_rows_tokens_or_kind():
         reqs = [ScheduledRequest(r, c, q, blocks[r])
                 for r, c, q in zip(ids, computed, new, strict=True)]
         assert_same(got, build_metadata(reqs, gs, pad_batch_to=4, pad_tokens_to=4, max_blocks=4))
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_carried_page_lists_equal_build_metadata_in_steady_decode(monkeypatch, emulate):
+    """Many decode steps of one unchanged batch (the case the carried page list is for),
+    with page openings, a window free and a rollback (table edits: no carry) on the way; the
+    insertion path must run, and every step equals build_metadata."""
+    monkeypatch.setattr(incremental, "_CARRY_PAGES_PER_INSERT", 0)
+    monkeypatch.setattr(incremental, "_CARRY_MIN_PAGES", 0)
+    calls = {"carried": 0, "inserted": 0}
+    real = incremental._carry_pages
+
+    def counted(state, edits, pages, *args):
+        done = real(state, edits, pages, *args)
+        calls["carried"] += done
+        calls["inserted"] += done and int((pages != state[1]).sum())
+        return done
+    monkeypatch.setattr(incremental, "_carry_pages", counted)
+    run = Run(7, emulate=emulate)
+    for _ in range(10):
+        run.admit()
+    for step in range(40):
+        if step == 15:
+            run.window_free(run.order[3])
+        batched: dict = {}
+        for rid in run.order:
+            run.grow(rid, 1, batched if step % 2 else None)
+        for gid, pairs in batched.items():
+            run.each("append_each", [r for r, _ in pairs], {gid: [b for _, b in pairs]})
+        sched = [ScheduledRequest(rid, run.live[rid][0], 1,
+                                  {g: list(b) for g, b in run.live[rid][1].items()})
+                 for rid in run.order]
+        args = (run.order, [r.num_computed_tokens for r in sched], [1] * len(sched))
+        plain, persistent = run.builders
+        assert_same(plain.step(*args), build_metadata(sched, run.groups))
+        b = bucket(len(sched), BATCH_BUCKETS)
+        assert_same(persistent.step(*args), build_metadata(
+            sched, run.groups, pad_batch_to=b, pad_tokens_to=bucket(len(sched), TOKEN_BUCKETS),
+            max_blocks=WIDTH))
+        for r in sched:
+            run.settle(r.req_id, 1, 0)
+        if step == 25:  # a rollback: the row's entries change, the next step gathers
+            rid = run.order[5]
+            run.live[rid][0] -= 3
+            computed, blocks = run.live[rid]
+            cut = {g.id: blocks[g.id][: -(-max(0, computed - g.position_offset) // g.block_size)]
+                   for g in run.groups}
+            for g in run.groups:
+                blocks[g.id] = cut[g.id]
+            run.each("set_blocks", rid, cut)
+    assert calls["carried"] > 100 and calls["inserted"] > 50, calls
+
+
+def test_copy_bytes_cover_the_used_pages_in_granules():
+    """copy_bytes: what the step's one copy covers (on CPU: what a CUDA step would copy), up
+    to the last group's used pages, rounded up to the 4 KiB granule within the buffer."""
+    group = make_group(0, 4, num_blocks=4000)
+    pm = PersistentMetadata([group], max_blocks=300, batch_buckets=[64], device="cpu")
+    assert pm.copy_bytes == 0
+    for i in range(40):
+        pm.add(i, {0: list(range(i * 90, i * 90 + 90))})
+    meta = pm.step(list(range(40)), [300] * 40, [1] * 40)[0]
+    pages_end = (meta.paged_kv_indices.data_ptr() - meta.slot_mapping.data_ptr()
+                 + 4 * meta.paged_kv_indices.numel())  # slots are the buffer's first array
+    assert meta.paged_kv_indices.numel() == 40 * 76
+    assert pm.copy_bytes == -(-pages_end // 4096) * 4096 <= pm.nbytes

@@ -141,11 +141,15 @@ class StepBuffers:
     """Host staging + device buffer for steps of any shape (grown on demand), or of shapes
     up to ``capacity`` bytes when given (then never reallocated: fixed device addresses)."""
 
-    def __init__(self, device: torch.device, capacity: int | None = None) -> None:
+    def __init__(self, device: torch.device, capacity: int | None = None, *,
+                 emulate_device: bool = False) -> None:
         self.device = device
         self.fixed = capacity is not None
         self.copies = 0  # host-to-device copies issued
         self._cuda = device.type == "cuda"
+        # tests: on a CPU device, lay out the CUDA path (two host buffers in turn, a separate
+        # "device" buffer filled by one partial copy per step), less the events
+        self._emulate = emulate_device and device.type == "cpu"
         self._nbytes = 0
         self._hosts: list[torch.Tensor] = []
         self._raw: list[np.ndarray] = []
@@ -157,21 +161,31 @@ class StepBuffers:
         self._filled: list[object] = []
         self._stream_raw: int | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._last: tuple[_Shape, list[int]] | None = None  # the last step's shape and nnz
         self._allocate(max(capacity or 0, 64))
 
     @property
     def nbytes(self) -> int:
         return self._nbytes
 
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes the last step's host-to-device copy covered (on a CPU device, where no copy
+        is made: what a CUDA step of the same shape would copy); 0 before any step."""
+        if self._last is None:
+            return 0
+        entry, nnz = self._last
+        return entry.layout.copy_end(nnz)
+
     def _allocate(self, nbytes: int) -> None:
-        ring = 2 if self._cuda else 1
+        ring = 2 if self._cuda or self._emulate else 1
         pin = self._cuda and torch.cuda.is_available()
         self._hosts = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(ring)]
         self._raw = [h.numpy() for h in self._hosts]
         # a CPU step needs no copy: its tensors are views of the (only) host buffer
-        self._dev = None if self.device.type == "cpu" else torch.zeros(
-            nbytes, dtype=torch.uint8, device=self.device
-        )
+        self._dev = None if self.device.type == "cpu" and not self._emulate else torch.full(
+            (nbytes,), 0xAB if self._emulate else 0, dtype=torch.uint8, device=self.device
+        )  # (emulated: garbage where a copy did not reach)
         self._events = [torch.cuda.Event() for _ in range(ring)] if self._cuda else []
         self._pending = [False] * ring
         self._filled = [None] * ring  # per host buffer: the key of its last complete fill
@@ -208,6 +222,12 @@ class StepBuffers:
             self._pending[self._turn] = False
         return entry.host[self._turn]
 
+    def previous(self, entry: _Shape) -> list[dict[str, np.ndarray]]:
+        """Numpy views of this shape in the host buffer the previous step filled (the same
+        buffer as :meth:`host` when there is one; on CUDA the other one, whose copy may still
+        be queued: read it only). Its contents are that step's only if it had this shape."""
+        return entry.host[self._turn ^ 1 if len(self._raw) > 1 else self._turn][1]
+
     def refill(self, key: object) -> bool:
         """Whether this step's host buffer was last completely filled under ``key`` (then
         whatever that fill wrote that depends on the key alone, e.g. padding rows, is still
@@ -241,7 +261,9 @@ class StepBuffers:
             if self._cuda:
                 self._events[turn].record(self._current_stream())
                 self._pending[turn] = True
+            if len(self._raw) > 1:
                 self._turn = turn ^ 1
+        self._last = (entry, nnz)
         qsl, groups = entry.device
         cache = entry.pages
         pages = []

@@ -34,6 +34,8 @@ def fill_derived(
     row_req: np.ndarray | None,
     row_in_req: np.ndarray | None,
     fresh: bool = True,
+    pages_list: bool = True,
+    cols: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> int:
     """Write seq_lens, last-page lengths, CSR pages, slots and positions of the ``n`` real
     rows (``len(seq_lens)``) and zero/-1 the padding; ``arrays["block_table"]`` is filled
@@ -42,7 +44,11 @@ def fill_derived(
     Token row t belongs to request ``row_req[t]`` and is its ``row_in_req[t]``-th new token;
     both None: one token row per request (a pure decode step). ``fresh=False``: the arrays
     were last filled for a step of the same shape, row count and kind, so what depends on
-    those alone (``indptr[0]``, padding rows but the indptr tail) is already written."""
+    those alone (``indptr[0]``, padding rows but the indptr tail) is already written.
+    ``pages_list=False``: the caller has written the CSR page list itself (left untouched).
+    ``cols``: a decode step of a group without position offset, ``divmod(computed,
+    block_size)`` (``pages`` is its first + 1): last-page lengths and slots follow from it in
+    fewer whole-array operations."""
     bs, n = group.block_size, seq_lens.shape[0]
     offset = group.position_offset
     decode = row_req is None or row_in_req is None
@@ -57,11 +63,15 @@ def fill_derived(
     indptr[1 : n + 1] = np.add.accumulate(pages)  # (cumsum with an int32 out= is slower)
     nnz = int(indptr[n])
     # seq - (pages - 1) * bs; 0 on an empty row, which a decode step without offset has not
-    tail = pages * -bs
-    tail += seq_lens
-    if decode and offset == 0:
+    if cols is not None:
+        np.add(cols[1], 1, out=last[:n], casting="unsafe")  # the new token's offset + 1
+    elif decode and offset == 0:
+        tail = pages * -bs
+        tail += seq_lens
         np.add(tail, bs, out=last[:n], casting="unsafe")  # values in [1, bs]
     else:
+        tail = pages * -bs
+        tail += seq_lens
         tail += bs
         np.minimum(seq_lens, tail, out=last[:n], casting="unsafe")
     if seq.shape[0] > n:  # padding rows
@@ -69,7 +79,7 @@ def fill_derived(
             seq[n:] = 0
             last[n:] = 0
         indptr[n + 1 :] = nnz
-    if nnz:
+    if nnz and pages_list:
         used = width
         if width > 64:  # a fixed-width table (CUDA graphs) may be far wider than any row reads
             used = int(pages.max())
@@ -95,6 +105,13 @@ def fill_derived(
         slots[m:] = -1
         positions[m:] = 0
     if m == 0:
+        return nnz
+    if cols is not None:
+        block = flat.take(base + cols[0], mode="clip")
+        out = slots[:m]
+        np.multiply(block, bs, out=out, dtype=np.int64)
+        out += cols[1]
+        positions[:m] = pos
         return nnz
     if offset == 0:  # every row has a position (computed >= 0)
         col = pos // bs

@@ -16,6 +16,7 @@ block-table row. Block ids are range-checked once, when they enter the table.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -42,6 +43,10 @@ class _Table:
         self.limit = group.num_blocks if group.num_blocks > 0 else _INT32_MAX + 1
         self.ids = np.zeros((rows, width), dtype=np.int32)
         self.lens = np.zeros(rows, dtype=np.int64)
+        # bumped by every change that is not an append (an entry below a row's length
+        # rewritten or cleared): a step's page list carried from the previous one is valid
+        # only while it is unchanged
+        self.edits = 0
 
     def grow_rows(self, rows: int) -> None:
         ids = np.zeros((rows, self.ids.shape[1]), dtype=np.int32)
@@ -81,12 +86,15 @@ class _Table:
         if end > self.ids.shape[1]:
             self.widen(max(end, 2 * self.ids.shape[1]))
         old = int(self.lens[row])
+        if start < old:
+            self.edits += 1
         self.ids[row, start:end] = arr
         if old > end:
             self.ids[row, end:old] = 0
         self.lens[row] = end
 
     def clear(self, row: int) -> None:
+        self.edits += 1
         self.ids[row, : int(self.lens[row])] = 0
         self.lens[row] = 0
 
@@ -123,12 +131,21 @@ class MetadataBuilder:
         self._last_rows = np.zeros(0, dtype=np.intp)
         self._free = list(range(rows - 1, -1, -1))
         self._buffers = StepBuffers(self.device)
+        # (shape entry, batch rows, per group (table edits, pages)) of the last completed step:
+        # its page lists are carried into the next step of the same rows and shape
+        self._carry: tuple | None = None
         # each group's GroupMetadata fields that never change between steps
         self._constant = {
             g.id: {"group_id": g.id, "block_size": g.block_size,
                    "position_offset": g.position_offset, "layer_names": g.layer_names}
             for g in self.groups
         }
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes the last step's one host-to-device copy covered (on a CPU device, which
+        needs no copy: what a CUDA step of the same shape would copy)."""
+        return self._buffers.copy_bytes
 
     # -- request lifecycle ---------------------------------------------------------------
     def __contains__(self, req_id: object) -> bool:
@@ -196,8 +213,9 @@ class MetadataBuilder:
                     f"append_each: group {gid} has {arr.shape[0]} block ids for "
                     f"{rows.shape[0]} requests"
                 )
-            # two reductions; the offending entry is looked for only when there is one
-            if arr.shape[0] and (int(_min(arr)) < 0 or int(_max(arr)) >= table.limit):
+            # one reduction (a negative id reads as huge unsigned); the offending entry is
+            # looked for only when there is one
+            if arr.shape[0] and int(_max(arr.view(np.uint64))) >= table.limit:
                 i = int(np.flatnonzero((arr < 0) | (arr >= table.limit))[0])
                 raise MetadataError(
                     f"group {gid}: request {req_ids[i]!r} was given block id {int(arr[i])}, "
@@ -205,7 +223,7 @@ class MetadataBuilder:
                 )
             checked.append((table, arr))
         for table, arr in checked:  # every group checked before any changes
-            cols = table.lens[rows]
+            cols = table.lens.take(rows)
             if rows.shape[0]:
                 widest = int(_max(cols))
                 if widest >= table.ids.shape[1]:
@@ -320,7 +338,7 @@ class MetadataBuilder:
         # one token row per request: no per-token index arrays (the decode fast path)
         decode = num_tokens == n and (n == 0 or shortest == 1)
         if num_draft_tokens is None:
-            drafts = (0,) * n
+            drafts = _repeated(0, n)
         else:
             d, _ = self._counts("num_draft_tokens", num_draft_tokens, n)
             over = np.nonzero(d > new)[0]
@@ -335,7 +353,11 @@ class MetadataBuilder:
 
         total = computed + new
         tables = self._tables.values()
-        plans = [self._plan(table, rows, total, max_blocks, ids) for table in tables]
+        # a decode step's positions are the computed counts: each offset-0 group's page
+        # column and in-page offset of them, one divmod per block size
+        split: dict[int, tuple[np.ndarray, np.ndarray]] | None = {} if decode else None
+        plans = [self._plan(table, rows, total, max_blocks, ids, computed, split)
+                 for table in tables]
         widths = tuple(p[0] for p in plans)
         for table, width in zip(tables, widths, strict=True):
             if width > table.ids.shape[1]:
@@ -360,16 +382,25 @@ class MetadataBuilder:
             if batch > n:
                 qsl[n + 1 :] = num_tokens
         reqs = self._requests(ids, computed, new, drafts) if check else None
+        carry, self._carry = self._carry, None
+        if carry is not None and (check or carry[0] is not entry or carry[1] is not rows):
+            carry = None
+        previous = self._buffers.previous(entry) if carry is not None else None
         nnz = []
-        for table, (width, seq_lens, pages), host in zip(tables, plans, hosts, strict=True):
+        states = []
+        for i, (table, (width, seq_lens, pages, cols), host) in enumerate(
+                zip(tables, plans, hosts, strict=True)):
             src = table.ids if width == table.ids.shape[1] else table.ids[:, :width]
             block_table = host["block_table"]
             src.take(rows, 0, block_table[:n], "clip")  # rows are in range
             if fresh and n < batch:
                 block_table[n:] = 0
+            carried = previous is not None and _carry_pages(
+                carry[2][i], table.edits, pages, block_table, host, previous[i])  # type: ignore[index]
             count = fill_derived(host, table.group, seq_lens, pages, computed, row_req, row_in_req,
-                                 fresh)
+                                 fresh, not carried, cols)
             nnz.append(count)
+            states.append((table.edits, pages))
             if reqs is not None:
                 arrays = dict(host, query_start_loc=qsl)
                 arrays["paged_kv_indices"] = arrays["paged_kv_indices"][:count]
@@ -377,8 +408,9 @@ class MetadataBuilder:
         self._buffers.filled(key)
 
         qsl_dev, views, page_lists = self._buffers.send(entry, nnz)
+        self._carry = (entry, rows, states)
         if decode:
-            query_lens, bounds = (1,) * n, (1, 1)
+            query_lens, bounds = _repeated(1, n), (1, 1)
         else:
             query_lens = tuple(new.tolist())
             bounds = (min(query_lens, default=0), max(query_lens, default=0))
@@ -393,7 +425,7 @@ class MetadataBuilder:
         }
         out = {}
         seq_host: dict[int, dict[str, object]] = {}  # one offset, one set of lengths
-        for table, (_, seq_lens, _), dev, page_list in zip(tables, plans, views, page_lists,
+        for table, (_, seq_lens, _, _), dev, page_list in zip(tables, plans, views, page_lists,
                                                             strict=True):
             group = table.group
             k = group.position_offset
@@ -425,13 +457,23 @@ class MetadataBuilder:
         return arr, least
 
     @staticmethod
-    def _plan(table: _Table, rows, total, max_blocks, req_ids):
-        """(block-table width, seq_lens, pages) of one group's step."""
+    def _plan(table: _Table, rows, total, max_blocks, req_ids, computed, split):
+        """(block-table width, seq_lens, pages, cols) of one group's step; ``cols``: the
+        (page column, in-page offset) of each row's position in a decode step of an offset-0
+        group (``split``: those already made this step, by block size), else None."""
         group, bs = table.group, table.group.block_size
         k = group.position_offset
-        seq_lens = np.maximum(total - k, 0) if k else total
-        pages = (seq_lens + (bs - 1)) // bs
-        lens = table.lens[rows]
+        cols = None
+        if split is not None and not k:
+            cols = split.get(bs)
+            if cols is None:
+                cols = split[bs] = np.divmod(computed, bs)
+            seq_lens = total
+            pages = cols[0] + 1  # the new token's position is `computed`: its page is the last
+        else:
+            seq_lens = np.maximum(total - k, 0) if k else total
+            pages = (seq_lens + (bs - 1)) // bs
+        lens = table.lens.take(rows)
         short = lens < pages
         if _any(short):
             i = int(np.argmax(short))
@@ -448,7 +490,7 @@ class MetadataBuilder:
                 raise InvalidArgumentError(
                     f"group {group.id}: max_blocks={width} but a request reads {need} blocks"
                 )
-        return width, seq_lens, pages
+        return width, seq_lens, pages, cols
 
     def _requests(self, req_ids, computed, new, drafts) -> list[ScheduledRequest]:
         """The step as ScheduledRequests (checked mode only: slow)."""
@@ -456,3 +498,59 @@ class MetadataBuilder:
             ScheduledRequest(rid, int(c), int(n), {gid: self.blocks(rid, gid) for gid in self._tables}, d)
             for rid, c, n, d in zip(req_ids, computed, new, drafts, strict=True)
         ]
+
+
+@lru_cache(maxsize=16)
+def _repeated(value: int, n: int) -> tuple[int, ...]:
+    """(value,) * n, made once per (value, n): a decode step's query lengths and drafts."""
+    return (value,) * n
+
+
+# a page list is carried over (opened pages inserted) only while the insertions are few: each
+# costs ~0.5 us of Python, the boolean gather ~1.3 ns per page of the whole list (this machine);
+# and only for lists long enough that the gather costs more than the carry's fixed ~6 us
+_CARRY_PAGES_PER_INSERT = 384
+_CARRY_MIN_PAGES = 8192
+
+
+def _carry_pages(state, edits, pages, block_table, host, previous) -> bool:
+    """Write this step's CSR page list from the previous step's (same batch rows, same
+    shape), inserting the pages each row gained: a decode step opens a page in ~1/block_size
+    of its rows, so the list is the previous one with a few insertions, made as that many
+    memmoves through memoryviews (numpy slicing costs ~1 us per slice, a memoryview ~0.1).
+    ``previous``: the previous step's host arrays (the same arrays on a CPU device, whose one
+    buffer is rewritten in place). False, with nothing written, where that does not apply:
+    table entries rewritten since (``edits``), a row that lost pages or gained more than one,
+    or too many insertions to beat the gather."""
+    old_edits, old = state
+    n = pages.shape[0]
+    if old_edits != edits or n == 0:
+        return False
+    indptr = previous["paged_kv_indptr"]
+    hi = int(indptr[n])  # the previous list's length
+    if hi < _CARRY_MIN_PAGES:
+        return False
+    diff = pages - old
+    if int(_max(diff.view(np.uint64))) > 1:  # (a negative difference reads as huge)
+        return False
+    changed = np.flatnonzero(diff)
+    k = changed.shape[0]
+    if k * _CARRY_PAGES_PER_INSERT > hi:
+        return False
+    dst_arr, src_arr = host["paged_kv_indices"], previous["paged_kv_indices"]
+    dst, src = memoryview(dst_arr), memoryview(src_arr)
+    if k:
+        # each changed row's new page (staged table, batch order) goes after its old pages,
+        # at its old end shifted by the insertions before it; from the last row backwards,
+        # so that in place every old entry moves once, before anything overwrites it
+        values = block_table[changed, old.take(changed)].tolist()
+        ends = indptr.take(changed + 1).tolist()
+        shift = k
+        for end, value in zip(reversed(ends), reversed(values), strict=True):
+            dst[end + shift : hi + shift] = src[end:hi]
+            shift -= 1
+            dst[end + shift] = value
+            hi = end
+    if dst_arr is not src_arr:
+        dst[:hi] = src[:hi]
+    return True
