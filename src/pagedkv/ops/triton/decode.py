@@ -266,6 +266,8 @@ def _paged_decode_fwd(
         if WIDEN:  # fp8 as 32-bit words, widened to fp16 in registers
             k = _load_fp8_wide(k_base, koff, kin, k_ptr.dtype.element_ty == tl.float8e5, BLOCK_N,
                                BLOCK_D)
+        elif BLOCK_D == D and PAGE_TILES:  # in-cache addresses (page 0 for unused keys): no
+            k = tl.load(k_base + koff[:, None] + d[None, :])  # mask; their scores are masked
         elif BLOCK_D == D:  # no mask along the head dim: the loads stay 16-byte vectors
             k = tl.load(k_base + koff[:, None] + d[None, :], mask=kin[:, None], other=0.0)
         else:
