@@ -180,18 +180,16 @@ def to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 # keys on the MMA's M side; ``fused`` the last split merges; ``heads_first`` the grid order);
 # registers and shared memory of each: compiled for sm_90 on the CPU (docs/kernels.md)
 GQA_SMALL_GRIDS = {
-    "gqa": [{}, dict(page_tiles=True), dict(page_tiles=True, num_stages=3),
-            dict(page_tiles=True, maxnreg=0)],
-    "gqa_q7": [{}, dict(block_m=16), dict(page_tiles=True), dict(page_tiles=True, block_m=16),
-               dict(page_tiles=True, block_m=16, splits=4)],
-    "gqa_fp8": [{}, dict(widen=True), dict(widen=True, maxnreg=128), dict(widen=True, num_stages=2),
-                dict(widen=True, block_n=64, num_stages=2), dict(widen=True, page_tiles=True)],
+    "gqa": [{}, dict(maxnreg=96), dict(maxnreg=0), dict(page_tiles=False)],
+    "gqa_q7": [{}, dict(page_tiles=False), dict(maxnreg=0)],
+    "gqa_fp8": [{}, dict(widen=True), dict(widen=True, block_n=64, num_stages=3, maxnreg=128),
+                dict(widen=True, block_n=64, num_stages=3)],
 }
 # variants timed on every shape of their family next to the default (same-run before/after)
 GQA_COMPARE = {
-    "gqa": [dict(page_tiles=True)],
-    "gqa_q7": [dict(block_m=16), dict(page_tiles=True), dict(page_tiles=True, block_m=16)],
-    "gqa_fp8": [dict(widen=True), dict(widen=True, maxnreg=128)],
+    "gqa": [dict(page_tiles=False), dict(maxnreg=96)],
+    "gqa_q7": [dict(page_tiles=False)],
+    "gqa_fp8": [dict(widen=True)],
 }
 
 
@@ -544,6 +542,8 @@ def main(argv=None) -> int:
             gqa_sweep(64, 4096, small=True)
             gqa_sweep(64, 4096, q_len=7, small=True)
             gqa_sweep(64, 8192, fp8=True, small=True)
+            for b, c in ((64, 1024), (256, 1024)):
+                gqa_sweep(b, c, splits_only=True)
         if args.sweep == "full":
             gqa_sweep(64, 4096)
             gqa_sweep(64, 8192, fp8=True)

@@ -380,10 +380,12 @@ def test_triton_decode_row_tiles(heads, q_len, splits, fused, ops_backend):
                                                            (4, 32, 3, 8), (64, 32, 2, 4),
                                                            (64, 64, 7, 4)])
 @pytest.mark.parametrize("masked", ["window", "draft"])
-def test_triton_decode_page_tiles(block_size, block_n, q_len, heads, masked, ops_backend):
+@pytest.mark.parametrize("page_tiles", [True, False])
+def test_triton_decode_page_tiles(block_size, block_n, q_len, heads, masked, page_tiles,
+                                  ops_backend):
     # one block id per page of the tile (block_n a multiple of the block size) or per tile
-    # (the page holds the tile): fresh NaN pages, shuffled tables, and entries freed (-1,
-    # NaN-filled) before every row's window are never read; a read of them is reported
+    # (the page holds the tile), or per key: fresh NaN pages, shuffled tables, and entries
+    # freed (-1, NaN-filled) before every row's window are never read; a read is reported
     if ops_backend != "triton":
         pytest.skip("launch overrides exist on the triton backend only")
     from pagedkv.ops.triton.attention import paged_attention as triton_attention
@@ -397,7 +399,8 @@ def test_triton_decode_page_tiles(block_size, block_n, q_len, heads, masked, ops
             fill_nan_(sc.k_cache, [int(sc.table[0, j])])
             fill_nan_(sc.v_cache, [int(sc.table[0, j])])
             sc.table[0, j] = -1
-    kw = dict(mask=mask, block_n=block_n, page_tiles=True, block_m=16 if q_len == 7 else None)
+    kw = dict(mask=mask, block_n=block_n, page_tiles=page_tiles,
+              block_m=16 if q_len == 7 else None)
     got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
                            max_query_len=q_len, max_seq_len=150, splits=3, **kw)
     want = reference(sc, mask, scale=8**-0.5)
@@ -408,7 +411,7 @@ def test_triton_decode_page_tiles(block_size, block_n, q_len, heads, masked, ops
     if masked == "window":
         with pytest.raises(MetadataError, match="block id -1"):
             triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
-                             mask=Mask(), block_n=block_n, page_tiles=True)
+                             mask=Mask(), block_n=block_n, page_tiles=page_tiles)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

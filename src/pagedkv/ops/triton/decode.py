@@ -11,10 +11,12 @@ bad-block flag is written only when the host reads it back, and fp8 K/V tiles ar
 to fp16 in registers (exact for e4m3/e5m2) so only half the bytes are loaded. With one
 split the kernel normalises and writes the output itself (no workspace, no combine).
 
-Variants behind launch overrides, measured on the H200 and left off by default
-(docs/kernels.md): ``swap`` (keys on the MMA's M side, wgmma), ``fused`` (the split that
+K/V addresses are built per page: one block id per page of the tile, or per tile when the
+page holds it (``page_tiles``, the default for 16-bit and float32 caches). Variants behind
+launch overrides, measured on the H200 and left off by default (docs/kernels.md): ``swap`` (keys on the MMA's M side, wgmma), ``fused`` (the split that
 finishes last merges the partial states through an arrival counter, no combine launch),
-``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles).
+``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles),
+``widen`` (fp8 tiles loaded as 32-bit words and widened to fp16 before shared memory).
 """
 
 from __future__ import annotations
@@ -376,9 +378,12 @@ SWAP_Q1 = False  # keys on the MMA's M side for <= 16-row tiles (decode)
 SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
 FUSED_COMBINE = False  # the last split merges the partials: slower on the H200 (docs)
 HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no gain measured (docs)
-PAGE_TILES = False  # block ids per page (per tile when the page holds it), not per key
+# block ids per page (per tile when the page holds it), not per key, for 16-bit and float32
+# caches: 3-4% faster on the H200's q1 shapes, 14% on 7-token blocks (docs/kernels.md, 00:58
+# UTC run); fp8 caches keep per-key ids (page tiles measured 30% slower there)
+PAGE_TILES = True
 PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
-WIDEN_FP8 = False  # fp8 tiles loaded as 32-bit words and widened before shared memory
+WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
 
@@ -480,8 +485,9 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
     if swap is None:
         swap = (SWAP_Q7 if block_m == 32 else SWAP_Q1) and not f32
-    page_tiles = (PAGE_TILES if page_tiles is None else page_tiles) and (
-        block_size % block_n == 0 or block_n % block_size == 0)
+    if page_tiles is None:
+        page_tiles = PAGE_TILES and not fp8
+    page_tiles = page_tiles and (block_size % block_n == 0 or block_n % block_size == 0)
     widen = (WIDEN_FP8 if widen is None else widen) and fp8 and not swap and _word_aligned(
         k_cache, v_cache, dim, dv)
     if maxnreg is None and block_m == 32 and not (fp8 or f32 or swap):
