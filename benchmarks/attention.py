@@ -187,7 +187,7 @@ GQA_SMALL_GRIDS = {
 }
 # variants timed on every shape of their family next to the default (same-run before/after)
 GQA_COMPARE = {
-    "gqa": [dict(page_tiles=False), dict(maxnreg=96)],
+    "gqa": [dict(page_tiles=False), dict(splits=1), dict(splits=2)],
     "gqa_q7": [dict(page_tiles=False)],
     "gqa_fp8": [dict(widen=True)],
 }
