@@ -386,6 +386,7 @@ PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers unc
 WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
+ONE_SPLIT_FILL = 0.9  # one split once the unsplit programs fill this much of a wave (one_wave)
 
 
 @functools.lru_cache(maxsize=8)
@@ -393,13 +394,17 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def decode_splits(programs: int, max_seq_len: int, device) -> int:
+def decode_splits(programs: int, max_seq_len: int, device, one_wave: bool = False) -> int:
     """KV splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per multiprocessor
-    and at least two splits, each split at least ``MIN_SPLIT_KEYS`` keys, at most 64 (on the
-    H200 two splits beat one even at batch 256: benchmarks/attention.py's splits sweep)."""
+    and at least two splits, each split at least ``MIN_SPLIT_KEYS`` keys, at most 64. With
+    ``one_wave`` (16-row bf16/fp16 page-tile programs), one split (direct output, no combine)
+    once the unsplit programs fill ``ONE_SPLIT_FILL`` of a wave: on the H200 it was as fast or
+    faster on every q1 shape of the benchmark (docs/kernels.md, 01:07 UTC run)."""
     if interpreting():
         return min(2, max(1, -(-max_seq_len // 64)))  # exercise the combine, stay fast
     sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    if one_wave and programs >= ONE_SPLIT_FILL * PROGRAMS_PER_SM * sms:
+        return 1
     want = max(2, -(-PROGRAMS_PER_SM * sms // max(1, programs)))
     most = max(1, max_seq_len // MIN_SPLIT_KEYS)
     return max(1, min(want, most, 64))
@@ -481,8 +486,6 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     row_tiles = -(-pairs // block_m)
     cfg = launch_config(fp8, f32)
     block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
-    if splits is None:
-        splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
     if swap is None:
         swap = (SWAP_Q7 if block_m == 32 else SWAP_Q1) and not f32
     if page_tiles is None:
@@ -490,6 +493,9 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     page_tiles = page_tiles and (block_size % block_n == 0 or block_n % block_size == 0)
     widen = (WIDEN_FP8 if widen is None else widen) and fp8 and not swap and _word_aligned(
         k_cache, v_cache, dim, dv)
+    if splits is None:  # one split: measured for 16-row 16-bit page-tile programs only
+        one_wave = page_tiles and block_m == 16 and row_tiles == 1 and not (fp8 or f32 or swap)
+        splits = decode_splits(batch * kv_heads, max_seq_len, q.device, one_wave)
     if maxnreg is None and block_m == 32 and not (fp8 or f32 or swap):
         maxnreg = Q7_MAXNREG  # 7-token blocks x 4 heads: 164 -> 128 registers, 4 programs/SM
     if maxnreg is None and page_tiles and not (fp8 or f32 or swap):
