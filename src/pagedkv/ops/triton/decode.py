@@ -379,8 +379,8 @@ SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
 FUSED_COMBINE = False  # the last split merges the partials: slower on the H200 (docs)
 HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no gain measured (docs)
 # block ids per page (per tile when the page holds it), not per key, for 16-bit and float32
-# caches: 3-4% faster on the H200's q1 shapes, 14% on 7-token blocks (docs/kernels.md, 00:58
-# UTC run); fp8 caches keep per-key ids (page tiles measured 30% slower there)
+# caches: 2-3.5% faster on the H200's q1 shapes, 13% on 7-token blocks (docs/kernels.md,
+# 00:58-01:07 UTC runs); fp8 caches keep per-key ids (page tiles measured 30% slower there)
 PAGE_TILES = True
 PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
 WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
