@@ -13,7 +13,8 @@ split the kernel normalises and writes the output itself (no workspace, no combi
 
 K/V addresses are built per page: one block id per page of the tile, or per tile when the
 page holds it (``page_tiles``, the default for 16-bit and float32 caches). Variants behind
-launch overrides, measured on the H200 and left off by default (docs/kernels.md): ``swap`` (keys on the MMA's M side, wgmma), ``fused`` (the split that
+launch overrides, measured on the H200 and left off by default (docs/kernels.md): ``swap``
+(keys on the MMA's M side, wgmma), ``fused`` (the split that
 finishes last merges the partial states through an arrival counter, no combine launch),
 ``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles),
 ``widen`` (fp8 tiles loaded as 32-bit words and widened to fp16 before shared memory).
@@ -490,7 +491,9 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         swap = (SWAP_Q7 if block_m == 32 else SWAP_Q1) and not f32
     if page_tiles is None:
         page_tiles = PAGE_TILES and not fp8
-    page_tiles = page_tiles and (block_size % block_n == 0 or block_n % block_size == 0)
+    # (page tiles read K unmasked at page 0 for unused keys: the cache must hold a page)
+    page_tiles = page_tiles and num_blocks > 0 and (
+        block_size % block_n == 0 or block_n % block_size == 0)
     widen = (WIDEN_FP8 if widen is None else widen) and fp8 and not swap and _word_aligned(
         k_cache, v_cache, dim, dv)
     if splits is None:  # one split: measured for 16-row 16-bit page-tile programs only
