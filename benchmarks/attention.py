@@ -78,9 +78,12 @@ def record_graphed(case: str, name: str, fn, nbytes: int, flops: float) -> None:
     record_graph(case, name, fn, nbytes, flops)
 
 
-def tuned_name(family: str) -> str:
-    cfg = TUNED[family]
+def config_name(cfg: dict) -> str:
     return "pagedkv_triton[" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "]"
+
+
+def tuned_name(family: str) -> str:
+    return config_name(TUNED[family])
 
 
 def bench(fn) -> float:
@@ -177,11 +180,16 @@ def to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 # keys on the MMA's M side; ``fused`` the last split merges; ``heads_first`` the grid order);
 # registers and shared memory of each: compiled for sm_90 on the CPU (docs/kernels.md)
 GQA_SMALL_GRIDS = {
-    "gqa": [{}, dict(heads_first=False), dict(fused=True), dict(swap=True, block_n=32)],
-    "gqa_q7": [{}, dict(block_m=16), dict(block_m=16, heads_first=False),
-               dict(block_m=16, num_stages=3), dict(block_m=16, splits=1),
-               dict(block_m=16, splits=4), dict(swap=True, block_n=32)],
-    "gqa_fp8": [{}, dict(maxnreg=168), dict(block_n=64, num_stages=3), dict(heads_first=False)],
+    "gqa": [{}, dict(maxnreg=96), dict(maxnreg=0), dict(page_tiles=False)],
+    "gqa_q7": [{}, dict(page_tiles=False), dict(maxnreg=0)],
+    "gqa_fp8": [{}, dict(widen=True), dict(widen=True, block_n=64, num_stages=3, maxnreg=128),
+                dict(widen=True, block_n=64, num_stages=3)],
+}
+# variants timed on every shape of their family next to the default (same-run before/after)
+GQA_COMPARE = {
+    "gqa": [dict(page_tiles=False), dict(splits=1), dict(splits=2)],
+    "gqa_q7": [dict(page_tiles=False)],
+    "gqa_fp8": [dict(widen=True)],
 }
 
 
@@ -251,16 +259,18 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
         del k, v
         rec("pagedkv_triton", lambda: paged_attention(q, k8, v8, qsl, lens, table, k_scale=ks,
                                                       v_scale=vs, **kw), ref)
-        if TUNED.get("gqa_fp8"):
-            rec(tuned_name("gqa_fp8"), lambda: paged_attention(
-                q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw, **TUNED["gqa_fp8"]), ref)
+        cfgs = [TUNED["gqa_fp8"]] if TUNED.get("gqa_fp8") else []
+        for cfg in cfgs + [c for c in GQA_COMPARE["gqa_fp8"] if c not in cfgs]:
+            rec(config_name(cfg), lambda cfg=cfg: paged_attention(
+                q, k8, v8, qsl, lens, table, k_scale=ks, v_scale=vs, **kw, **cfg), ref)
         return ref
     ours = lambda: paged_attention(q, k, v, qsl, lens, table, **kw)  # noqa: E731
     ref = ours()
     rec("pagedkv_triton", ours, ref)
     family = "gqa_q7" if q_len > 1 and TUNED["gqa_q7"] is not None else "gqa"
-    if TUNED[family]:
-        rec(tuned_name(family), lambda: paged_attention(q, k, v, qsl, lens, table, **kw, **TUNED[family]), ref)
+    cfgs = [TUNED[family]] if TUNED[family] else []
+    for cfg in cfgs + [c for c in GQA_COMPARE["gqa_q7" if q_len > 1 else "gqa"] if c not in cfgs]:
+        rec(config_name(cfg), lambda cfg=cfg: paged_attention(q, k, v, qsl, lens, table, **kw, **cfg), ref)
     if not peers:
         return ref
     group = hq // hkv

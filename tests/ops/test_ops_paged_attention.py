@@ -374,3 +374,76 @@ def test_triton_decode_row_tiles(heads, q_len, splits, fused, ops_backend):
     want = reference(sc, mask, scale=8**-0.5)
     torch.testing.assert_close(got.cpu().double(), want, **EXACT["triton"])
     assert bool((got[-PAD_ROWS:] == 0).all())
+
+
+@pytest.mark.parametrize("block_size,block_n,q_len,heads", [(16, 16, 1, 4), (16, 64, 1, 4),
+                                                           (4, 32, 3, 8), (64, 32, 2, 4),
+                                                           (64, 64, 7, 4)])
+@pytest.mark.parametrize("masked", ["window", "draft"])
+@pytest.mark.parametrize("page_tiles", [True, False])
+def test_triton_decode_page_tiles(block_size, block_n, q_len, heads, masked, page_tiles,
+                                  ops_backend):
+    # one block id per page of the tile (block_n a multiple of the block size) or per tile
+    # (the page holds the tile), or per key: fresh NaN pages, shuffled tables, and entries
+    # freed (-1, NaN-filled) before every row's window are never read; a read is reported
+    if ops_backend != "triton":
+        pytest.skip("launch overrides exist on the triton backend only")
+    from pagedkv.ops.triton.attention import paged_attention as triton_attention
+
+    seqs = [(150, q_len), (q_len + 5, q_len), (0, 0), (97, q_len)]
+    sc = make_scenario(seqs, block_size, heads, 2, seed=60 + block_size + block_n + q_len)
+    sc.q[-PAD_ROWS:] = float("nan")
+    mask = Mask(window=40) if masked == "window" else Mask(causal=False, draft_block=q_len)
+    if masked == "window":  # free the pages wholly before the first row's window
+        for j in range((150 - q_len - 40 + 1) // block_size):
+            fill_nan_(sc.k_cache, [int(sc.table[0, j])])
+            fill_nan_(sc.v_cache, [int(sc.table[0, j])])
+            sc.table[0, j] = -1
+    kw = dict(mask=mask, block_n=block_n, page_tiles=page_tiles,
+              block_m=16 if q_len == 7 else None)
+    got = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
+                           max_query_len=q_len, max_seq_len=150, splits=3, **kw)
+    want = reference(sc, mask, scale=8**-0.5)
+    torch.testing.assert_close(got.cpu().double(), want, **EXACT["triton"])
+    assert bool((got[-PAD_ROWS:] == 0).all())
+    checked = triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table, **kw)
+    torch.testing.assert_close(checked, got)
+    if masked == "window":
+        with pytest.raises(MetadataError, match="block id -1"):
+            triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
+                             mask=Mask(), block_n=block_n, page_tiles=page_tiles)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("page_tiles", [False, True])
+def test_triton_fp8_widened_tiles(fmt, page_tiles, ops_backend):
+    # fp8 tiles loaded as 32-bit words and widened to fp16 in registers (inline PTX: GPU only)
+    only_on_gpu(ops_backend, why="the widening is inline PTX")
+    if ops_backend != "triton":
+        pytest.skip("launch overrides exist on the triton backend only")
+    from pagedkv.ops.triton.attention import paged_attention as triton_attention
+
+    dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    seqs = [(300, 1), (77, 1), (129, 1), (0, 0)]
+    sc = make_scenario(seqs, 16, 32, 8, dim=128, dtype=torch.float32, seed=70 + page_tiles)
+    k_scale, v_scale = 2.0**-6, 2.0**-5
+    k8 = fill_nan_(torch.empty(sc.k_cache.shape, dtype=dt, device=DEVICE))
+    v8 = fill_nan_(torch.empty(sc.v_cache.shape, dtype=dt, device=DEVICE))
+    slots = []
+    for b, (seq_len, _) in enumerate(seqs):
+        slots += slots_of(sc.table[b].cpu(), range(seq_len), 16)
+    write_kv(torch.cat(sc.keys).to(DEVICE), torch.cat(sc.values).to(DEVICE), k8, v8,
+             torch.tensor(slots, device=DEVICE), k_scale=k_scale, v_scale=v_scale)
+    q16 = sc.q.to(torch.bfloat16)
+    kw = dict(k_scale=k_scale, v_scale=v_scale, max_query_len=1, max_seq_len=300, splits=2,
+              page_tiles=page_tiles)
+    got = triton_attention(q16, k8, v8, sc.qsl, sc.seq_lens, sc.table, widen=True, **kw)
+    plain = triton_attention(q16, k8, v8, sc.qsl, sc.seq_lens, sc.table, widen=False, **kw)
+    sc8 = Scenario(**{**sc.__dict__})
+    sc8.q = q16.double()
+    sc8.keys = [(k / k_scale).to(dt).double() * k_scale for k in sc.keys]
+    sc8.values = [(v / v_scale).to(dt).double() * v_scale for v in sc.values]
+    want = reference(sc8, Mask(), scale=128**-0.5)
+    err = float((got.cpu().double() - want).norm() / want.norm())
+    assert err < 1e-2, err
+    assert float((got.float() - plain.float()).abs().max()) < 1e-2  # the same products

@@ -173,6 +173,8 @@ def paged_attention(
     fused: bool | None = None,
     heads_first: bool | None = None,
     block_m: int | None = None,
+    page_tiles: bool | None = None,
+    widen: bool | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq, Dv]; see ``pagedkv.ops.paged_attention``.
 
@@ -186,7 +188,8 @@ def paged_attention(
     on the MMA's M side) and ``fused`` (the last split merges, no combine launch) pick decode
     kernel variants, ``heads_first`` the grid order, ``block_m`` the decode tile's rows
     (several row tiles per KV head when smaller than the pairs; benchmarks/attention.py sweeps
-    them).
+    them), ``page_tiles`` one block id per page instead of per key, ``widen`` fp8 tiles
+    widened to fp16 in registers before shared memory.
     """
     del compute_dtype  # the kernel accumulates in float32
     check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
@@ -223,7 +226,8 @@ def paged_attention(
                       v_scale=vs, max_query_len=max_query_len, max_seq_len=max_seq_len,
                       f32=f32, splits=splits, block_n=block_n, num_warps=num_warps,
                       num_stages=num_stages, maxnreg=maxnreg, swap=swap, fused=fused,
-                      heads_first=heads_first, block_m=block_m)
+                      heads_first=heads_first, block_m=block_m, page_tiles=page_tiles,
+                      widen=widen)
         if check:
             raise_on_bad_block(flag, num_blocks)
         return out

@@ -11,10 +11,13 @@ bad-block flag is written only when the host reads it back, and fp8 K/V tiles ar
 to fp16 in registers (exact for e4m3/e5m2) so only half the bytes are loaded. With one
 split the kernel normalises and writes the output itself (no workspace, no combine).
 
-Variants behind launch overrides, measured on the H200 and left off by default
-(docs/kernels.md): ``swap`` (keys on the MMA's M side, wgmma), ``fused`` (the split that
+K/V addresses are built per page: one block id per page of the tile, or per tile when the
+page holds it (``page_tiles``, the default for 16-bit and float32 caches). Variants behind
+launch overrides, measured on the H200 and left off by default (docs/kernels.md): ``swap``
+(keys on the MMA's M side, wgmma), ``fused`` (the split that
 finishes last merges the partial states through an arrival counter, no combine launch),
-``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles).
+``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles),
+``widen`` (fp8 tiles loaded as 32-bit words and widened to fp16 before shared memory).
 """
 
 from __future__ import annotations
@@ -46,6 +49,67 @@ def _load_v(v_ptrs, kin, dv, dt, DV: tl.constexpr, BLOCK_DV: tl.constexpr, F32: 
     else:
         v = v.to(dt)
     return v
+
+
+@triton.jit
+def _page_offsets(t_base, flag_ptr, n0, kin, kv_lo, s_hi, num_blocks, stride_kb, stride_kt,
+                  stride_vb, stride_vt, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CHECK: tl.constexpr, OFF_ALIGN: tl.constexpr):
+    """K and V element offsets of the tile's keys [BLOCK_N] from one block id per page (one
+    per tile when the page holds the tile): the table loads, bounds checks and 64-bit
+    multiplications happen per page, not per key. Pages without a key in [kv_lo, s_hi) are
+    not looked up; keys behind an out-of-cache block id are dropped from ``kin``."""
+    if PAGE >= BLOCK_N:  # tiles start BLOCK_N-aligned: the tile lies in one page
+        pid = tl.load(t_base + n0 // PAGE)
+        bad = (pid < 0) | (pid >= num_blocks)
+        if CHECK:
+            tl.store(flag_ptr, 1, mask=bad)
+            tl.store(flag_ptr + 1, pid, mask=bad)
+        kin = kin & ~bad
+        pid = tl.where(bad, 0, pid).to(tl.int64)
+        slot = (n0 % PAGE) + tl.arange(0, BLOCK_N)
+        koff = pid * stride_kb + slot * stride_kt
+        voff = pid * stride_vb + slot * stride_vt
+    else:
+        NP: tl.constexpr = BLOCK_N // PAGE
+        pidx = n0 // PAGE + tl.arange(0, NP)
+        pin = (pidx * PAGE < s_hi) & (pidx * PAGE + PAGE > kv_lo)
+        pid = tl.load(t_base + pidx, mask=pin, other=0)
+        bad = pin & ((pid < 0) | (pid >= num_blocks))
+        if CHECK:
+            tl.store(flag_ptr + pidx * 0, 1, mask=bad)
+            tl.store(flag_ptr + 1 + pidx * 0, pid, mask=bad)
+        kin = kin & ~tl.reshape(tl.broadcast_to(bad[:, None], [NP, PAGE]), [BLOCK_N])
+        pid = tl.where(bad, 0, pid).to(tl.int64)
+        slot = tl.arange(0, PAGE)
+        koff = tl.reshape((pid * stride_kb)[:, None] + (slot * stride_kt)[None, :], [BLOCK_N])
+        voff = tl.reshape((pid * stride_vb)[:, None] + (slot * stride_vt)[None, :], [BLOCK_N])
+        # the reshape hides the offsets' alignment (OFF_ALIGN divides every page/slot stride)
+        koff = tl.multiple_of(koff, OFF_ALIGN)
+        voff = tl.multiple_of(voff, OFF_ALIGN)
+    return koff, voff, kin
+
+
+@triton.jit
+def _load_fp8_wide(base, off, kin, E5M2: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """An fp8 tile [BLOCK_N, BLOCK_D] loaded as 32-bit words (four values each) and widened to
+    fp16 (exact) in registers, so shared memory holds whole words and then a 16-bit tile the
+    dot reads with ldmatrix. ``off``: element offsets of the keys, multiples of 4."""
+    w = tl.arange(0, BLOCK_D // 4)
+    ptrs = base.to(tl.pointer_type(tl.int32)) + (off // 4)[:, None] + w[None, :]
+    x = tl.load(ptrs, mask=kin[:, None], other=0)
+    if E5M2:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
+    else:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
+    o0, o1, o2, o3 = tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; " + cvt + " a, lo; "
+        + cvt + " b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+        "=h,=h,=h,=h,r", [x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=1)
+    t = tl.join(tl.join(o0, o1), tl.join(o2, o3))  # [N, D/4, i, j]: value 2 j + i
+    return tl.reshape(tl.permute(t, (0, 1, 3, 2)), [BLOCK_N, BLOCK_D])
 
 
 @triton.jit
@@ -106,6 +170,7 @@ def _paged_decode_fwd(
     HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr,
     CHECK: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr,
     FUSED: tl.constexpr, HEADS_FIRST: tl.constexpr, ROW_TILES: tl.constexpr,
+    PAGE_TILES: tl.constexpr, OFF_ALIGN: tl.constexpr, WIDEN: tl.constexpr,
 ):
     # one grid dimension holds the (KV head, row tile) pairs; heads-first makes it the fastest
     # one, so the KV heads and row tiles of one (sequence, split) are neighbouring programs
@@ -185,23 +250,35 @@ def _paged_decode_fwd(
     for n0 in range(s_lo, s_hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         kin = (keys < s_hi) & (keys >= kv_lo)
-        page = tl.load(t_base + keys // PAGE, mask=kin, other=0)
-        bad = kin & ((page < 0) | (page >= num_blocks))  # never read outside the cache
-        if CHECK:
-            tl.store(flag_ptr + keys * 0, 1, mask=bad)
-            tl.store(flag_ptr + 1 + keys * 0, page, mask=bad)
-        kin = kin & ~bad
-        page = tl.where(kin, page, 0)
-        page = page.to(tl.int64)
-        slot = keys % PAGE
-        k_ptrs = k_base + (page * stride_kb + slot * stride_kt)[:, None] + d[None, :]
-        if BLOCK_D == D:  # no mask along the head dim: the loads stay 16-byte vectors
-            k = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
+        if PAGE_TILES:  # block ids per page, not per key: address arithmetic per page
+            koff, voff, kin = _page_offsets(t_base, flag_ptr, n0, kin, kv_lo, s_hi, num_blocks,
+                                            stride_kb, stride_kt, stride_vb, stride_vt,
+                                            PAGE, BLOCK_N, CHECK, OFF_ALIGN)
         else:
-            k = tl.load(k_ptrs, mask=kin[:, None] & (d[None, :] < D), other=0.0)
+            page = tl.load(t_base + keys // PAGE, mask=kin, other=0)
+            bad = kin & ((page < 0) | (page >= num_blocks))  # never read outside the cache
+            if CHECK:
+                tl.store(flag_ptr + keys * 0, 1, mask=bad)
+                tl.store(flag_ptr + 1 + keys * 0, page, mask=bad)
+            kin = kin & ~bad
+            page = tl.where(kin, page, 0)
+            page = page.to(tl.int64)
+            slot = keys % PAGE
+            koff = page * stride_kb + slot * stride_kt
+            voff = page * stride_vb + slot * stride_vt
+        if WIDEN:  # fp8 as 32-bit words, widened to fp16 in registers
+            k = _load_fp8_wide(k_base, koff, kin, k_ptr.dtype.element_ty == tl.float8e5, BLOCK_N,
+                               BLOCK_D)
+        elif BLOCK_D == D and PAGE_TILES:  # in-cache addresses (page 0 for unused keys): no
+            k = tl.load(k_base + koff[:, None] + d[None, :])  # mask; their scores are masked
+        elif BLOCK_D == D:  # no mask along the head dim: the loads stay 16-byte vectors
+            k = tl.load(k_base + koff[:, None] + d[None, :], mask=kin[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + koff[:, None] + d[None, :], mask=kin[:, None] & (d[None, :] < D),
+                        other=0.0)
         if F32:
             k = k.to(tl.float32)
-        elif FP8:
+        elif FP8 or WIDEN:
             k = k.to(tl.float16)
         else:
             k = k.to(q.dtype)
@@ -226,7 +303,7 @@ def _paged_decode_fwd(
             p = tl.exp2(s - m_use[None, :])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 0)
-            v = _load_v(v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :], kin, dv,
+            v = _load_v(v_base + voff[:, None] + dv[None, :], kin, dv,
                         q.dtype, DV, BLOCK_DV, F32, FP8)
             if F32:  # o^T = v^T p^T: [BLOCK_DV, BLOCK_M]
                 pv = tl.dot(tl.trans(v), p, input_precision="ieee")
@@ -241,8 +318,12 @@ def _paged_decode_fwd(
             p = tl.exp2(s - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_v(v_base + (page * stride_vb + slot * stride_vt)[:, None] + dv[None, :], kin, dv,
-                        q.dtype, DV, BLOCK_DV, F32, FP8)
+            if WIDEN:
+                v = _load_fp8_wide(v_base, voff, kin, v_ptr.dtype.element_ty == tl.float8e5, BLOCK_N,
+                                   BLOCK_DV)
+            else:
+                v = _load_v(v_base + voff[:, None] + dv[None, :], kin, dv,
+                            q.dtype, DV, BLOCK_DV, F32, FP8)
             if F32:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
@@ -298,8 +379,15 @@ SWAP_Q1 = False  # keys on the MMA's M side for <= 16-row tiles (decode)
 SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
 FUSED_COMBINE = False  # the last split merges the partials: slower on the H200 (docs)
 HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no gain measured (docs)
+# block ids per page (per tile when the page holds it), not per key, for 16-bit and float32
+# caches: 2-3.5% faster on the H200's q1 shapes, 13% on 7-token blocks (docs/kernels.md,
+# 00:58-01:07 UTC runs); fp8 caches keep per-key ids (page tiles measured 30% slower there)
+PAGE_TILES = True
+PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
+WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
+ONE_SPLIT_FILL = 0.9  # one split once the unsplit programs fill this much of a wave (one_wave)
 
 
 @functools.lru_cache(maxsize=8)
@@ -307,13 +395,17 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def decode_splits(programs: int, max_seq_len: int, device) -> int:
+def decode_splits(programs: int, max_seq_len: int, device, one_wave: bool = False) -> int:
     """KV splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per multiprocessor
-    and at least two splits, each split at least ``MIN_SPLIT_KEYS`` keys, at most 64 (on the
-    H200 two splits beat one even at batch 256: benchmarks/attention.py's splits sweep)."""
+    and at least two splits, each split at least ``MIN_SPLIT_KEYS`` keys, at most 64. With
+    ``one_wave`` (16-row bf16/fp16 page-tile programs), one split (direct output, no combine)
+    once the unsplit programs fill ``ONE_SPLIT_FILL`` of a wave: on the H200 it was as fast or
+    faster on every q1 shape of the benchmark (docs/kernels.md, 01:07 UTC run)."""
     if interpreting():
         return min(2, max(1, -(-max_seq_len // 64)))  # exercise the combine, stay fast
     sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    if one_wave and programs >= ONE_SPLIT_FILL * PROGRAMS_PER_SM * sms:
+        return 1
     want = max(2, -(-PROGRAMS_PER_SM * sms // max(1, programs)))
     most = max(1, max_seq_len // MIN_SPLIT_KEYS)
     return max(1, min(want, most, 64))
@@ -342,6 +434,24 @@ def split_counters(pairs: int, device) -> torch.Tensor | None:
     return buf
 
 
+def _offset_align(k_cache, v_cache) -> int:
+    """The largest power of two up to 16 dividing every page and slot stride of K and V."""
+    align = 16
+    for st in (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1)):
+        while align > 1 and st % align:
+            align //= 2
+    return align
+
+
+def _word_aligned(k_cache, v_cache, dim, dv) -> bool:
+    """fp8 tiles can be loaded as 32-bit words: power-of-two head dims (no column mask) and
+    every entry 4-byte aligned."""
+    pow2 = dim == max(16, next_pow2(dim)) and dv == max(16, next_pow2(dv))
+    strides = [c.stride(i) for c in (k_cache, v_cache) for i in range(3)]
+    ptrs = [k_cache.data_ptr(), v_cache.data_ptr()]
+    return pow2 and all(x % 4 == 0 for x in strides) and all(x % 4 == 0 for x in ptrs)
+
+
 def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
     if interpreting():
         return (32, 4, 2)
@@ -351,13 +461,18 @@ def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
 def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
                   scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
                   splits=None, block_n=None, num_warps=None, num_stages=None,
-                  maxnreg=None, swap=None, fused=None, heads_first=None, block_m=None) -> None:
+                  maxnreg=None, swap=None, fused=None, heads_first=None, block_m=None,
+                  page_tiles=None, widen=None) -> None:
     """Run the decode kernel into ``out``. With several splits the last split of each
     (sequence, KV head) merges them (``fused``, default ``FUSED_COMBINE``) or a second
     launch does (``combine.py``). ``swap`` puts the keys on the MMA's M side;
     ``heads_first`` launches the KV heads of one (sequence, split) next to each other;
     ``block_m`` below the sequence's (row, head) pairs per KV head splits them into row
-    tiles, launched side by side (each reads the K/V tiles; the second one mostly from L2)."""
+    tiles, launched side by side (each reads the K/V tiles; the second one mostly from L2).
+    ``page_tiles`` reads one block id per page of the tile (one per tile when the page holds
+    it; needs the block size and ``block_n`` to divide one another), ``widen`` loads fp8
+    tiles as 32-bit words and widens them to fp16 in registers (fp8 caches with power-of-two
+    head dims and 4-byte aligned entries; ignored otherwise)."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     dv = v_cache.shape[-1]
@@ -372,12 +487,22 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     row_tiles = -(-pairs // block_m)
     cfg = launch_config(fp8, f32)
     block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
-    if splits is None:
-        splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
     if swap is None:
         swap = (SWAP_Q7 if block_m == 32 else SWAP_Q1) and not f32
+    if page_tiles is None:
+        page_tiles = PAGE_TILES and not fp8
+    # (page tiles read K unmasked at page 0 for unused keys: the cache must hold a page)
+    page_tiles = page_tiles and num_blocks > 0 and (
+        block_size % block_n == 0 or block_n % block_size == 0)
+    widen = (WIDEN_FP8 if widen is None else widen) and fp8 and not swap and _word_aligned(
+        k_cache, v_cache, dim, dv)
+    if splits is None:  # one split: measured for 16-row 16-bit page-tile programs only
+        one_wave = page_tiles and block_m == 16 and row_tiles == 1 and not (fp8 or f32 or swap)
+        splits = decode_splits(batch * kv_heads, max_seq_len, q.device, one_wave)
     if maxnreg is None and block_m == 32 and not (fp8 or f32 or swap):
         maxnreg = Q7_MAXNREG  # 7-token blocks x 4 heads: 164 -> 128 registers, 4 programs/SM
+    if maxnreg is None and page_tiles and not (fp8 or f32 or swap):
+        maxnreg = PAGE_TILES_MAXNREG
     extra = {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
     scales = scale_vector((k_scale, v_scale), q.device) if in_memory else seq_lens
@@ -407,7 +532,8 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         HAS_WINDOW=mask.window is not None, HAS_CHUNK=mask.chunk is not None,
         HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None, SCALES_IN_MEMORY=in_memory,
         CHECK=flag is not None, F32=f32, FP8=fp8, SWAP=bool(swap), FUSED=counters is not None,
-        HEADS_FIRST=heads_first, ROW_TILES=row_tiles,
+        HEADS_FIRST=heads_first, ROW_TILES=row_tiles, PAGE_TILES=bool(page_tiles),
+        OFF_ALIGN=_offset_align(k_cache, v_cache), WIDEN=bool(widen),
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if not direct and counters is None:
