@@ -46,7 +46,11 @@ class StepPlan:
 
 
 class Scheduler:
-    """Continuous batching for one :class:`KVCacheManager` (its token budget per step)."""
+    """Continuous batching for one :class:`KVCacheManager` (its token budget per step).
+    ``batch_decode``: plain decodes go through ``allocate_batch`` / ``commit_batch``, one
+    call per run of them (False: one call per request; the same decisions)."""
+
+    batch_decode = True
 
     def __init__(self, manager: KVCacheManager, *, max_running: int = 256,
                  spec_tokens: int = 0, eos_token_ids: Iterable[int] = (),
@@ -105,7 +109,7 @@ class Scheduler:
         running = self.running
         states = mgr.requests
         while idx < len(running) and budget > 0:
-            if not self.spec_tokens:
+            if self.batch_decode and not self.spec_tokens:
                 # a run of plain decodes (one known token to compute each): their slots in
                 # one allocate_batch call, which stops where one does not fit; that one
                 # takes the per-request path below (preempting the newest)
@@ -196,7 +200,7 @@ class Scheduler:
                     if len(tokens) >= room:
                         tokens, reason = tokens[:room], reason or "length"
                 computed = len(tokens) if chunk.num_lookahead else chunk.num_new_tokens
-                if computed == 1 and len(tokens) == 1:
+                if computed == 1 and len(tokens) == 1 and self.batch_decode:
                     batch_ids.append(rid)
                     batch_toks.append(tokens[0])
                 else:
