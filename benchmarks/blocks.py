@@ -18,7 +18,10 @@
    each run starts with an empty sha256 memo, as a fresh process would.
 5. ``--only vllm``: that loop against vLLM 0.34.0's own manager (the peer harness, in its
    venv), interleaved rounds in one window; total manager time per request, hashing
-   included, with pagedkv's default hash and with the fast single-tenant one.
+   included, with pagedkv's default hash and with the fast single-tenant one; each both
+   calling per request (as vLLM's scheduler calls its manager) and ``batched:`` (decode
+   steps through ``allocate_batch`` / ``commit_batch``, as pagedkv's own scheduler does),
+   the same decisions (``decisions_digests``: one value when every variant agrees).
 6. ``--only checked``: a simulate run unchecked vs checked mode (incremental checks).
 8. ``--only calls``: each kind of call of the loop timed apart, decode steps split into
    calls that cross a block boundary and calls that do not.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -164,13 +168,16 @@ def bench_hash(num_tokens: int = 1 << 20) -> list[dict]:
 def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 20000,
                token_budget: int = 8192, prefix: int = 1024, suffix: int = 256,
                decode: int = 128, bs: int = 16, seed: int = 0, hash_algo: str = DEFAULT_HASH,
-               elastic: bool = True) -> dict:
+               elastic: bool = True, batched: bool = False) -> dict:
     """The peer script's loop, call for call, with pagedkv's manager (elastic: one budget
     of ``num_blocks`` blocks' bytes, mapped in 2 MiB pages as blocks fill). One call each
     way per request per step, as the peer calls vLLM's manager; a preemption is timed as
     the peer times vLLM's ``free`` there; and once per step the ``drain_page_ops`` +
     ``drain_copy_ops`` an engine makes to launch the step (``step_ops``: no vLLM
-    counterpart, counted in pagedkv's total)."""
+    counterpart, counted in pagedkv's total). ``batched``: the decode requests of a step
+    take their slots with one ``allocate_batch`` call (resumed after each preemption) and
+    commit with one ``commit_batch`` call, as pagedkv's scheduler drives its manager; the
+    same decisions (``decisions_digest``: each step's scheduled requests and preemptions)."""
     rng = random.Random(seed)
     system = [rng.randrange(128000) for _ in range(prefix)]
     suffixes = [[rng.randrange(128000) for _ in range(suffix)] for _ in range(requests)]
@@ -194,6 +201,9 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
     running: list[int] = []
     outputs = [0] * requests
     nxt = finished = steps = hit_total = prompt_total = preemptions = 0
+    digest: list[int] = []  # each step's scheduled requests, preemptions as -2 - id
+    allocate_batch = getattr(mgr, "allocate_batch", None)
+    commit_batch = getattr(mgr, "commit_batch", None)
     gc.collect()
     gc.freeze()
     t_start = time.perf_counter()
@@ -202,7 +212,23 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
         budget = token_budget
         scheduled: list[tuple[int, int]] = []
         i = 0
-        while i < len(running):
+        if batched:
+            while i < len(running):
+                a = ns()
+                k = allocate_batch(running[i:] if i else running)
+                add("alloc_decode", ns() - a)
+                i += k
+                if i < len(running):  # running[i] does not fit: preempt the newest, retry
+                    victim = running.pop()
+                    a = ns()
+                    mgr.preempt(victim)
+                    add("free", ns() - a)
+                    waiting.insert(0, victim)
+                    preemptions += 1
+                    digest.append(-2 - victim)
+            scheduled = [(r, 1) for r in running]
+            budget -= len(running)
+        while not batched and i < len(running):
             r = running[i]
             a = ns()
             ok = mgr.allocate(r, 1)
@@ -214,10 +240,12 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
                 add("free", ns() - a)
                 waiting.insert(0, victim)
                 preemptions += 1
+                digest.append(-2 - victim)
                 continue
             scheduled.append((r, 1))
             budget -= 1
             i += 1
+        n_decode = len(scheduled)
         while len(waiting) < max_running and nxt < requests:
             a = ns()
             mgr.add_request(nxt, system + suffixes[nxt])
@@ -252,7 +280,19 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
         mgr.drain_page_ops()
         mgr.drain_copy_ops()
         add("step_ops", ns() - a)
-        for r, n in scheduled:
+        digest.extend(r for r, _ in scheduled)
+        digest.append(-1)  # end of step
+        first = 0
+        if batched and n_decode:
+            ids = [r for r, _ in scheduled[:n_decode]]
+            toks = [out_tokens[mgr.num_tokens(r) & 4095] for r in ids]  # the "sampler"
+            a = ns()
+            commit_batch(ids, toks)
+            add("commit", ns() - a)
+            for r in ids:
+                outputs[r] += 1
+            first = n_decode
+        for r, n in scheduled[first:]:
             tok = [out_tokens[(mgr.num_tokens(r)) & 4095]]  # the "sampler", outside the timer
             a = ns()
             mgr.commit(r, n, tok)
@@ -273,7 +313,8 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
     total_ns = sum(v[1] for v in t.values())
     return {
         "requests": requests, "steps": steps, "wall_s": round(wall, 3), "hash": hash_algo,
-        "elastic": elastic,
+        "elastic": elastic, "batched": batched,
+        "decisions_digest": hashlib.sha256(repr(digest).encode()).hexdigest()[:16],
         # every manager call, hashing included (add_request hashes the prompt, commit the
         # generated blocks), per finished request
         "total_us_per_request": round(total_ns / 1e3 / requests, 2),
@@ -366,18 +407,26 @@ def vllm_total_us_per_request(python: str, requests: int) -> dict:
             "preemptions": res["preemptions"]}
 
 
+# pagedkv's loop variants against vLLM: per-request calls (as vLLM's scheduler calls its
+# manager), then batched decode calls (as pagedkv's scheduler calls its own)
+VARIANTS = ((DEFAULT_HASH, False), (FAST_HASH, False), (DEFAULT_HASH, True), (FAST_HASH, True))
+
+
+def _variant(algo: str, batched: bool) -> str:
+    return ("batched:" if batched else "") + algo
+
+
 def _loops_in(src: str, requests: int) -> dict[str, dict]:
     """This file's ``bench_loop`` (both hashes) in a fresh process importing pagedkv from
     ``src`` (another tree's ``src/``, e.g. the code before a change)."""
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import blocks as B; "
-            "print(json.dumps([B.bench_loop(int(sys.argv[2]), hash_algo=a) "
-            f"for a in ({DEFAULT_HASH!r}, {FAST_HASH!r})]))")
+            "print(json.dumps([B.bench_loop(int(sys.argv[2]), hash_algo=a, batched=b) "
+            f"for a, b in {VARIANTS!r}]))")
     env = dict(os.environ, PYTHONPATH=src)
     out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
                           str(requests)], check=True, capture_output=True, text=True,
                          env=env).stdout
-    default, fast = json.loads(out)
-    return {DEFAULT_HASH: default, FAST_HASH: fast}
+    return {_variant(a, b): r for (a, b), r in zip(VARIANTS, json.loads(out))}
 
 
 def bench_vs_vllm(python: str, rounds: int, requests: int, baseline_src: str | None = None
@@ -389,15 +438,16 @@ def bench_vs_vllm(python: str, rounds: int, requests: int, baseline_src: str | N
     trees = {"": None} if baseline_src is None else {"": _src_dir(), "baseline:": baseline_src}
     runs: dict[str, list[dict]] = {"vllm_sha256": []}
     for t in trees:
-        runs[t + DEFAULT_HASH] = []
-        runs[t + FAST_HASH] = []
+        for a, b in VARIANTS:
+            runs[t + _variant(a, b)] = []
     loads = [os.getloadavg()[0]]
     for i in range(rounds):
         runs["vllm_sha256"].append(vllm_total_us_per_request(python, requests))
         order = list(trees) if i % 2 == 0 else list(trees)[::-1]
         for t in order:
             if trees[t] is None:  # this process: no baseline asked for
-                got = {a: bench_loop(requests, hash_algo=a) for a in (DEFAULT_HASH, FAST_HASH)}
+                got = {_variant(a, b): bench_loop(requests, hash_algo=a, batched=b)
+                       for a, b in VARIANTS}
             else:
                 got = _loops_in(trees[t], requests)
             for algo, r in got.items():
@@ -411,6 +461,12 @@ def bench_vs_vllm(python: str, rounds: int, requests: int, baseline_src: str | N
         "median_total_us_per_request": med,
         "ratio_default_hash_vs_vllm": round(med[DEFAULT_HASH] / med["vllm_sha256"], 4),
         "ratio_fast_hash_vs_vllm": round(med[FAST_HASH] / med["vllm_sha256"], 4),
+        "ratio_default_hash_batched_vs_vllm": round(med["batched:" + DEFAULT_HASH]
+                                                    / med["vllm_sha256"], 4),
+        "ratio_fast_hash_batched_vs_vllm": round(med["batched:" + FAST_HASH]
+                                                 / med["vllm_sha256"], 4),
+        "decisions_digests": sorted({r["decisions_digest"] for k, v in runs.items()
+                                     if k != "vllm_sha256" for r in v}),
         "ratios_of_medians": {k: round(m / med["vllm_sha256"], 4) for k, m in med.items()
                               if k != "vllm_sha256"},
         "per_round_ratios": {k: [round(r["total_us_per_request"] / v, 3)
@@ -500,8 +556,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "hash"):
         res["hash"] = bench_hash(1 << 16 if args.quick else 1 << 20)
     if args.only in (None, "loop"):
-        res["loop"] = [bench_loop(200 if args.quick else 2000, hash_algo=a, elastic=e)
-                       for a in (DEFAULT_HASH, FAST_HASH) for e in (True, False)]
+        res["loop"] = [bench_loop(200 if args.quick else 2000, hash_algo=a, elastic=e,
+                                  batched=b)
+                       for a in (DEFAULT_HASH, FAST_HASH) for e in (True, False)
+                       for b in (False, True)]
     if args.only in (None, "calls"):
         res["calls"] = [bench_calls(a, steps=32 if args.quick else 128)
                         for a in (DEFAULT_HASH, FAST_HASH)]

@@ -46,7 +46,11 @@ class StepPlan:
 
 
 class Scheduler:
-    """Continuous batching for one :class:`KVCacheManager` (its token budget per step)."""
+    """Continuous batching for one :class:`KVCacheManager` (its token budget per step).
+    ``batch_decode``: plain decodes go through ``allocate_batch`` / ``commit_batch``, one
+    call per run of them (False: one call per request; the same decisions)."""
+
+    batch_decode = True
 
     def __init__(self, manager: KVCacheManager, *, max_running: int = 256,
                  spec_tokens: int = 0, eos_token_ids: Iterable[int] = (),
@@ -102,8 +106,30 @@ class Scheduler:
         chunks: list[Chunk] = []
         preempted: list[Request] = []
         idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
+        running = self.running
+        states = mgr.requests
+        while idx < len(running) and budget > 0:
+            if self.batch_decode and not self.spec_tokens:
+                # a run of plain decodes (one known token to compute each): their slots in
+                # one allocate_batch call, which stops where one does not fit; that one
+                # takes the per-request path below (preempting the newest)
+                j = idx
+                stop = min(len(running), idx + budget)
+                while j < stop:
+                    st = states[running[j].rid]
+                    if len(st.tokens) - st.num_computed != 1:
+                        break
+                    j += 1
+                if j > idx:
+                    run = running[idx:j]
+                    k = mgr.allocate_batch([r.rid for r in run])
+                    for r in run[:k]:
+                        chunks.append(Chunk(r, states[r.rid].num_computed, 1, True))
+                    budget -= k
+                    idx += k
+                    if k == len(run):
+                        continue
+            req = running[idx]
             rid = req.rid
             done, known = mgr.num_computed(rid), mgr.num_tokens(rid)
             todo = known - done
@@ -149,10 +175,17 @@ class Scheduler:
         (one, or accepted drafts plus a bonus token). Returns the requests that finished."""
         mgr = self.mgr
         done: list[Request] = []
+        # plain decodes (one computed token, one kept) commit in one commit_batch call per
+        # run of them, in plan order: flushed before any other commit and at the end
+        batch_ids: list[object] = []
+        batch_toks: list[int] = []
         for chunk in plan.chunks:
             req = chunk.request
             rid = req.rid
             if not chunk.samples or req.remaining <= 0:
+                if batch_ids:
+                    mgr.commit_batch(batch_ids, batch_toks)
+                    batch_ids, batch_toks = [], []
                 mgr.commit(rid, chunk.num_new_tokens)  # a prefill chunk or a recompute
             else:
                 tokens = list(sampled[rid])[: req.remaining]
@@ -167,12 +200,21 @@ class Scheduler:
                     if len(tokens) >= room:
                         tokens, reason = tokens[:room], reason or "length"
                 computed = len(tokens) if chunk.num_lookahead else chunk.num_new_tokens
-                mgr.commit(rid, computed, tokens)
+                if computed == 1 and len(tokens) == 1 and self.batch_decode:
+                    batch_ids.append(rid)
+                    batch_toks.append(tokens[0])
+                else:
+                    if batch_ids:
+                        mgr.commit_batch(batch_ids, batch_toks)
+                        batch_ids, batch_toks = [], []
+                    mgr.commit(rid, computed, tokens)
                 req.output += tokens
                 if reason is not None:
                     req.finish_reason = reason
             if req.finish_reason is not None or req.remaining <= 0:
                 done.append(req)
+        if batch_ids:
+            mgr.commit_batch(batch_ids, batch_toks)
         for req in done:
             self.running.remove(req)
             self._finish(req, req.finish_reason or "length")
