@@ -119,14 +119,10 @@ def bucket(n: int, buckets: list[int]) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
 
 
-@pytest.fixture(params=["plain", "carry", "emulated"])
-def mode(request, device, monkeypatch):
-    """plain: as shipped; carry: page lists carried over whenever they can be (the shipped
-    threshold leaves tiny batches on the gather); emulated: carry, on the CUDA buffer path
-    emulated on a CPU device (a CUDA test device runs the real one)."""
-    if request.param == "emulated" and torch.device(device).type != "cpu":
-        pytest.skip("the real device path runs in the plain and carry modes")
-    if request.param != "plain":
+def count_carries(monkeypatch, always: bool) -> dict[str, int]:
+    """Counts steps whose page list was carried over and page ids it inserted; ``always``
+    drops the shipped thresholds so that tiny test batches carry whenever they can."""
+    if always:
         monkeypatch.setattr(incremental, "_CARRY_PAGES_PER_INSERT", 0)
         monkeypatch.setattr(incremental, "_CARRY_MIN_PAGES", 0)
     calls = {"carried": 0, "inserted": 0}
@@ -135,10 +131,20 @@ def mode(request, device, monkeypatch):
     def counted(state, edits, pages, *args):
         done = real(state, edits, pages, *args)
         calls["carried"] += done
-        calls["inserted"] += done and bool((pages != state[1]).any())
+        calls["inserted"] += done and int((pages != state[1]).sum())
         return done
     monkeypatch.setattr(incremental, "_carry_pages", counted)
-    return request.param, calls
+    return calls
+
+
+@pytest.fixture(params=["plain", "carry", "emulated"])
+def mode(request, device, monkeypatch):
+    """plain: as shipped; carry: page lists carried over whenever they can be (the shipped
+    threshold leaves tiny batches on the gather); emulated: carry, on the CUDA buffer path
+    emulated on a CPU device (a CUDA test device runs the real one)."""
+    if request.param == "emulated" and torch.device(device).type != "cpu":
+        pytest.skip("the real device path runs in the plain and carry modes")
+    return request.param, count_carries(monkeypatch, always=request.param != "plain")
 
 
 # (fixtures are per test function, not per example: safe to share across examples)
@@ -309,17 +315,7 @@ def test_carried_page_lists_equal_build_metadata_in_steady_decode(monkeypatch, e
     """Many decode steps of one unchanged batch (the case the carried page list is for),
     with page openings, a window free and a rollback (table edits: no carry) on the way; the
     insertion path must run, and every step equals build_metadata."""
-    monkeypatch.setattr(incremental, "_CARRY_PAGES_PER_INSERT", 0)
-    monkeypatch.setattr(incremental, "_CARRY_MIN_PAGES", 0)
-    calls = {"carried": 0, "inserted": 0}
-    real = incremental._carry_pages
-
-    def counted(state, edits, pages, *args):
-        done = real(state, edits, pages, *args)
-        calls["carried"] += done
-        calls["inserted"] += done and int((pages != state[1]).sum())
-        return done
-    monkeypatch.setattr(incremental, "_carry_pages", counted)
+    calls = count_carries(monkeypatch, always=True)
     run = Run(7, emulate=emulate)
     for _ in range(10):
         run.admit()

@@ -305,19 +305,26 @@ def test_triton_launch_overrides_and_no_host_read_path(splits, swap, fused, head
     assert bool((got[-PAD_ROWS:] == 0).all())
 
 
+def fp8_caches(sc, seqs, dtype, k_scale, v_scale):
+    """NaN-filled fp8 K/V caches of the scenario's shape holding its keys and values (block
+    size 16), written through the slot mapping with per-tensor scales."""
+    k8 = fill_nan_(torch.empty(sc.k_cache.shape, dtype=dtype, device=DEVICE))
+    v8 = fill_nan_(torch.empty(sc.v_cache.shape, dtype=dtype, device=DEVICE))
+    slots = []
+    for b, (seq_len, _) in enumerate(seqs):
+        slots += slots_of(sc.table[b].cpu(), range(seq_len), 16)
+    write_kv(torch.cat(sc.keys).to(DEVICE), torch.cat(sc.values).to(DEVICE), k8, v8,
+             torch.tensor(slots, device=DEVICE), k_scale=k_scale, v_scale=v_scale)
+    return k8, v8
+
+
 def test_bf16_queries_over_fp8_caches(ops_backend):
     # the fast path: fp8 K/V tiles widened once, 16-bit dot products, float32 accumulation
     only_on_gpu(ops_backend, why="it decodes fp8 loads wrongly")
     seqs = [(300, 1), (77, 1), (129, 7)]
     sc = make_scenario(seqs, 16, 8, 2, dim=64, dtype=torch.float32, seed=31)
     k_scale, v_scale = 2.0**-6, 2.0**-5
-    k8 = fill_nan_(torch.empty(sc.k_cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE))
-    v8 = fill_nan_(torch.empty(sc.v_cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE))
-    slots = []
-    for b, (seq_len, _) in enumerate(seqs):
-        slots += slots_of(sc.table[b].cpu(), range(seq_len), 16)
-    write_kv(torch.cat(sc.keys).to(DEVICE), torch.cat(sc.values).to(DEVICE), k8, v8,
-             torch.tensor(slots, device=DEVICE), k_scale=k_scale, v_scale=v_scale)
+    k8, v8 = fp8_caches(sc, seqs, torch.float8_e4m3fn, k_scale, v_scale)
     q16 = sc.q.to(torch.bfloat16)
     got = paged_attention(q16, k8, v8, sc.qsl, sc.seq_lens, sc.table, k_scale=k_scale,
                           v_scale=v_scale)
@@ -427,13 +434,7 @@ def test_triton_fp8_widened_tiles(fmt, page_tiles, ops_backend):
     seqs = [(300, 1), (77, 1), (129, 1), (0, 0)]
     sc = make_scenario(seqs, 16, 32, 8, dim=128, dtype=torch.float32, seed=70 + page_tiles)
     k_scale, v_scale = 2.0**-6, 2.0**-5
-    k8 = fill_nan_(torch.empty(sc.k_cache.shape, dtype=dt, device=DEVICE))
-    v8 = fill_nan_(torch.empty(sc.v_cache.shape, dtype=dt, device=DEVICE))
-    slots = []
-    for b, (seq_len, _) in enumerate(seqs):
-        slots += slots_of(sc.table[b].cpu(), range(seq_len), 16)
-    write_kv(torch.cat(sc.keys).to(DEVICE), torch.cat(sc.values).to(DEVICE), k8, v8,
-             torch.tensor(slots, device=DEVICE), k_scale=k_scale, v_scale=v_scale)
+    k8, v8 = fp8_caches(sc, seqs, dt, k_scale, v_scale)
     q16 = sc.q.to(torch.bfloat16)
     kw = dict(k_scale=k_scale, v_scale=v_scale, max_query_len=1, max_seq_len=300, splits=2,
               page_tiles=page_tiles)
