@@ -135,7 +135,7 @@ class MetadataBuilder:
         # its page lists are carried into the next step of the same rows and shape
         self._carry: tuple | None = None
         # (shape entry, batch rows, per group (table edits, row lengths)) of the last step
-        # when it was an unchecked decode step (else None): see PersistentMetadata
+        # when it was a decode step (else None): see PersistentMetadata
         self._steady: tuple | None = None
         # each group's GroupMetadata fields that never change between steps
         self._constant = {
@@ -416,7 +416,7 @@ class MetadataBuilder:
         # what a step derived on the device next needs (PersistentMetadata's device mode):
         # the shape, the rows, and each table's edits and row lengths the device now holds
         self._steady = (entry, rows, [(t.edits, p[4]) for t, p in zip(tables, plans, strict=True)]
-                        ) if decode and not check else None
+                        ) if decode else None
         return self._metadata(ids, n, num_tokens, decode, new, drafts, plans, qsl_dev, views,
                               page_lists, check)
 
