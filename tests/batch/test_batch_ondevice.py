@@ -1,7 +1,7 @@
 """PersistentMetadata(derive_on_device=True) against build_metadata every step: random runs
 of mostly steady decode steps (page openings through append_each or append_blocks), with
-admissions, finishes, reorders, drafts, prefill chunks, window frees and rollbacks in
-between, which must take the full path. The derivation runs as the Triton kernel (on CPU
+admissions, finishes, reorders, drafts, prefill chunks, window frees, rollbacks and
+lookahead blocks in between, which must take the full path. The derivation runs as the Triton kernel (on CPU
 through the interpreter, TRITON_INTERPRET=1, set by conftest) and as its numpy reference,
 in place on the CPU buffer and on the CUDA buffer path laid out on the CPU (emulated); the
 device buffers start filled with garbage, so a value the step does not write is caught.
@@ -67,7 +67,7 @@ def steady_run(run: Run, pm: PersistentMetadata, steps: int, device, *, rare: fl
         before = pm.derived_steps
         special: dict[str, str] = {}  # request -> its kind, when not a decode
         if rng.random() < rare:
-            event = rng.randrange(6)
+            event = rng.randrange(7)
             if event == 0 and len(run.order) < BATCH_BUCKETS[-1]:
                 run.admit()
             elif event == 1 and len(run.order) > 1:
@@ -78,6 +78,11 @@ def steady_run(run: Run, pm: PersistentMetadata, steps: int, device, *, rare: fl
                 rng.shuffle(run.order)
             elif event == 3:
                 run.window_free(rng.choice(run.order))
+            elif event == 6:  # two blocks ahead for one row: more than a step opens
+                rid = rng.choice(run.order)
+                ahead = [run.pool.pop(), run.pool.pop()]
+                run.live[rid][1][0] += ahead
+                run.each("append_blocks", rid, {0: ahead})
             else:  # a step with drafts or a prefill chunk somewhere
                 special[rng.choice(run.order)] = "draft" if event == 4 else "prefill"
         sched = run.schedule(lambda rid, special=special: special.get(rid, "decode"),
