@@ -42,7 +42,7 @@ def derive_decode_kernel(delta, buf32, buf64, BLOCK_B: tl.constexpr, ROWS: tl.co
     bs = tl.load(desc + 8)
     k = tl.load(desc + 9)
     computed_at = 4 + groups * 10
-    new_at = computed_at + batch + g * 2 * batch  # cols, then ids
+    new_at = computed_at + batch + g * 2 * batch  # held block counts, then last ids
 
     # every row's page count: the CSR offset of this program's first row, and nnz
     everyone = tl.arange(0, BLOCK_B)
@@ -64,7 +64,7 @@ def derive_decode_kernel(delta, buf32, buf64, BLOCK_B: tl.constexpr, ROWS: tl.co
     tl.store(buf32 + seq_at + r, seq, mask=real)
     tl.store(buf32 + last_at + r, tl.minimum(seq, seq - pages * bs + bs), mask=real)
 
-    col_new = tl.load(delta + new_at + r, mask=real, other=-1)
+    col_new = tl.load(delta + new_at + r, mask=real, other=0) - 1  # the row's last held block
     id_new = tl.load(delta + new_at + batch + r, mask=real, other=0)
     row_at = bt_at + r * width
     tl.store(buf32 + row_at + col_new, id_new, mask=real & (col_new >= 0) & (col_new < width))

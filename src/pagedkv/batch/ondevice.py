@@ -13,8 +13,9 @@ Delta layout (int32; :data:`HEADER` + groups x :data:`DESC` + (1 + 2 x groups) x
 ``n, batch, groups, 0``; per group its arrays' element offsets in the step buffer (int32
 block table, seq_lens, indptr, last-page lengths, page list; int64 slots, positions), the
 block-table width, block size and position offset; ``computed[batch]``; per group
-``col[batch]``, ``id[batch]``: each row's last held block (column, id), which the device
-stores (a no-op unless it was opened since the previous step; col -1: none).
+``held[batch]``, ``id[batch]``: each row's block count and last block's id, which the
+device stores at column held - 1 (a no-op unless it was opened since the previous step;
+none for an empty row).
 
 :func:`derive_reference` is the same derivation in numpy: the CPU device's path, and the
 oracle's stand-in where no Triton is wanted.
@@ -65,7 +66,7 @@ def derive_reference(delta: np.ndarray, buf32: np.ndarray, buf64: np.ndarray) ->
         bt, seq_at, indptr_at, last_at, pages_at, slot_at, pos_at, width, bs, k = (
             int(x) for x in delta[HEADER + DESC * g : HEADER + DESC * (g + 1)])
         new = delta[HEADER + DESC * groups + batch * (1 + 2 * g):][: 2 * batch]
-        cols, ids = new[:n].astype(np.int64), new[batch : batch + n]
+        cols, ids = new[:n].astype(np.int64) - 1, new[batch : batch + n]
         table = buf32[bt : bt + batch * width].reshape(batch, width)
         hit = np.flatnonzero((cols >= 0) & (cols < width))
         table[hit, cols[hit]] = ids[hit]
@@ -118,18 +119,29 @@ class DeltaBuffers:
         self.dev32 = self.dev.view(torch.int32)
         self.events = [torch.cuda.Event() for _ in range(ring)] if self.cuda else []
         self.pending = [False] * ring
+        self.heads: list[tuple | None] = [None] * ring  # per host buffer: (shape, n, length)
         self.turn = 0
         self._pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._stream: tuple[int, torch.cuda.Stream] | None = None
         self._launch: dict[tuple, object] = {}
 
-    def host(self) -> np.ndarray:
-        """This step's int32 staging (waits, if ever, for the copy made from it before)."""
+    def host(self, shape: object, n: int, head) -> tuple[np.ndarray, int]:
+        """This step's int32 staging (waits, if ever, for the copy made from it before)
+        with the header and descriptors of ``shape`` (``head(shape)``) and ``n`` rows
+        written (only when that buffer last held others), and where the rest begins."""
         turn = self.turn
         if self.pending[turn]:
             self.events[turn].synchronize()
             self.pending[turn] = False
-        return self.raw[turn]
+        raw = self.raw[turn]
+        written = self.heads[turn]
+        if written is None or written[0] is not shape or written[1] != n:
+            self.heads[turn] = None
+            first = head(shape)
+            raw[: first.shape[0]] = first
+            raw[0] = n
+            self.heads[turn] = (shape, n, first.shape[0])
+        return raw, self.heads[turn][2]  # type: ignore[index]
 
     def send(self, ints: int) -> None:
         """Copy the first ``ints`` int32 of this step's staging to the device (one copy)."""

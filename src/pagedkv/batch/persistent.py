@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from pagedkv.batch.buffers import Layout, StepBuffers
-from pagedkv.batch.incremental import MetadataBuilder, _max, _repeated, _sum
-from pagedkv.batch.metadata import StepMetadata
-from pagedkv.batch.ondevice import DeltaBuffers, delta_ints, descriptor
+from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _repeated, _sum
+from pagedkv.batch.metadata import StepMetadata, group_metadata
+from pagedkv.batch.ondevice import DeltaBuffers, descriptor
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.types import Group
 
@@ -72,6 +72,10 @@ class PersistentMetadata(MetadataBuilder):
         self._delta = DeltaBuffers(self.device, self.batch_buckets[-1], len(self.groups),
                                    kernel=derive_kernel) if derive_on_device else None
         self._descriptors: dict[object, np.ndarray] = {}
+        self._geometry = [(g.block_size, g.position_offset) for g in self.groups]
+        self._starts: dict[int, tuple] = {}
+        # (batch rows, shape, the step-wide fields of a derived step of those)
+        self._fields: tuple | None = None
         self._derived_last = False
         self.derived_steps = 0
 
@@ -116,72 +120,112 @@ class PersistentMetadata(MetadataBuilder):
 
         if self._delta is not None and self._steady is not None and not (
                 self.checked if checked is None else checked):
-            out = self._derived(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens,
-                                shape)
+            out = self._derived(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens)
             if out is not None:
                 return out
         self._derived_last = False
         return self._step(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens,
                           checked, shape)
 
-    def _derived(self, req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens, shape):
+    def _derived(self, req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens):
         """A steady decode step derived on the device (see the module doc), or None, with
-        nothing changed, when the step is not one."""
+        nothing changed, when the step is not one (or would fail: the full path then raises
+        the error). Lean on purpose: this is the step whose host time the target is about."""
         entry, rows, held = self._steady  # type: ignore[misc]
         ids = req_ids if type(req_ids) is tuple else tuple(req_ids)
-        n = len(ids)
-        if self._lookup(ids) is not rows:
+        if self._lookup(ids) is not rows:  # not the previous step's rows (nor its shape)
             return None
+        n = len(ids)
         computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
         new, least = self._counts("num_new_tokens", num_new_tokens, n)
-        if least != 1 or int(_sum(new)) != n:
+        if least != 1 or int(_max(new)) != 1:
             return None
         if num_draft_tokens is not None:
             drafts, _ = self._counts("num_draft_tokens", num_draft_tokens, n)
             if int(_max(drafts)):
                 return None
-        batch, tokens, width = shape(n, n)
-        if self._buffers.shape(batch, tokens, (width,) * len(self.groups)) is not entry:
-            return None
-        tables = self._tables.values()
-        total = computed + 1
-        split: dict = {}
+        longest = int(_max(computed))
+        seqs: dict[int, np.ndarray] = {}  # by position offset
+        counts: dict[tuple[int, int], np.ndarray] = {}  # pages by (offset, block size)
         plans = []
-        for table, (edits, old) in zip(tables, held, strict=True):
-            if table.edits != edits:
+        for table, (edits, old), (bs, k) in zip(self._tables.values(), held, self._geometry,
+                                                strict=True):
+            if table.edits != edits or (longest + bs - k) // bs > self.max_blocks:
                 return None
-            plan = self._plan(table, rows, total, width, ids, computed, split)
-            if int(_max((plan[4] - old).view(np.uint64))) > 1:  # (a shrunk row reads huge)
+            seq = seqs.get(k)
+            if seq is None:
+                seq = seqs[k] = computed + 1 if not k else np.maximum(computed + (1 - k), 0)
+            pages = counts.get((k, bs))
+            if pages is None:
+                if k:
+                    pages = seq + (bs - 1)
+                    pages //= bs
+                else:  # seq = computed + 1 >= 1
+                    pages = computed // bs
+                    pages += 1
+                counts[(k, bs)] = pages
+            lens = table.lens.take(rows)
+            # every page held; at most one block more than the device holds (a shrunk row,
+            # which needs an edit, would read huge)
+            if _any(lens < pages) or int(_max((lens - old).view(np.uint64))) > 1:
                 return None
-            plans.append(plan)
+            plans.append((self.max_blocks, seq, pages, None, lens))
 
-        delta = self._delta.host()  # type: ignore[union-attr]
+        delta, at = self._delta.host(entry, n, self._head)  # type: ignore[union-attr]
+        batch = entry.layout.batch
+        delta[at : at + n] = computed
+        at += batch
+        nnz = []
+        for table, plan in zip(self._tables.values(), plans, strict=True):
+            lens = plan[4]
+            delta[at : at + n] = lens
+            ids_at = at + batch  # each row's last block: (an empty row's is never stored)
+            table.ids.take(self._last_entries(table, rows) + lens, None,
+                           delta[ids_at : ids_at + n], "clip")
+            nnz.append(int(_sum(plan[2])))
+            at = ids_at + batch
+        self._delta.send(at)  # type: ignore[union-attr]
+        self._delta.derive(self._buffers.device_buffer, batch, len(plans))  # type: ignore[union-attr]
+        qsl_dev, views, page_lists = self._buffers.views(entry, nnz)
+        self._carry = None  # the host buffers do not hold this step's page lists
+        self._steady = (entry, rows, [(t.edits, p[4]) for t, p in
+                                      zip(self._tables.values(), plans, strict=True)])
+        self._derived_last = True
+        self.derived_steps += 1
+        fields = self._fields
+        if fields is None or fields[0] is not rows or fields[1] is not entry:
+            fields = self._fields = (rows, entry, {
+                "num_reqs": n, "num_tokens": n, "query_start_loc": qsl_dev, "req_ids": ids,
+                "query_lens_host": _repeated(1, n), "num_draft_tokens_host": _repeated(0, n),
+                "query_len_bounds": (1, 1)})
+        out = {}
+        lengths: dict[int, dict] = {}
+        for group, (_, k), plan, dev, page_list in zip(self.groups, self._geometry, plans,
+                                                       views, page_lists, strict=True):
+            host = lengths.get(k)
+            if host is None:
+                host = lengths[k] = {"seq_lens_host": tuple(plan[1].tolist()),
+                                     "max_seq_len_host": max(longest + 1 - k, 0)}
+            out[group.id] = group_metadata(
+                (self._constant[group.id], fields[2], dev, host, {"paged_kv_indices": page_list}),
+                checked=False)
+        return StepMetadata(out)
+
+    def _head(self, entry) -> np.ndarray:
+        """The delta's header and descriptors for a step shape (made once per shape)."""
         head = self._descriptors.get(entry)
         if head is None:
             head = self._descriptors[entry] = descriptor(
                 entry.layout, tuple(g.block_size for g in self.groups),
                 tuple(g.position_offset for g in self.groups))
-        at = head.shape[0]
-        delta[:at] = head
-        delta[0] = n
-        delta[at : at + n] = computed
-        at += batch
-        nnz = []
-        for table, plan in zip(tables, plans, strict=True):
-            lens = plan[4]
-            cols = delta[at : at + n]
-            np.subtract(lens, 1, out=cols, casting="unsafe")  # each row's last held block
-            flat = table.ids.reshape(-1)
-            flat.take(rows * table.ids.shape[1] + cols, 0, delta[at + batch : at + batch + n], "clip")
-            nnz.append(int(_sum(plan[2])))
-            at += 2 * batch
-        groups = len(self.groups)
-        self._delta.send(delta_ints(batch, groups))  # type: ignore[union-attr]
-        self._delta.derive(self._buffers.device_buffer, batch, groups)  # type: ignore[union-attr]
-        qsl_dev, views, page_lists = self._buffers.views(entry, nnz)
-        self._carry = None  # the host buffers do not hold this step's page lists
-        self._steady = (entry, rows, [(t.edits, p[4]) for t, p in zip(tables, plans, strict=True)])
-        self._derived_last = True
-        self.derived_steps += 1
-        return self._metadata(ids, n, n, True, new, _repeated(0, n), plans, qsl_dev, views,
-                              page_lists, False)
+        return head
+
+    def _last_entries(self, table, rows: np.ndarray) -> np.ndarray:
+        """Flat index, in the table's host array, of the entry before each batch row's
+        first: + the row's block count gives its last block (cached while the batch rows
+        and the array's width are unchanged)."""
+        width = table.ids.shape[1]
+        cached = self._starts.get(table.group.id)
+        if cached is None or cached[0] is not rows or cached[1] != width:
+            cached = self._starts[table.group.id] = (rows, width, rows * width - 1)
+        return cached[2]
