@@ -17,7 +17,8 @@ so that a loaded machine slows them alike):
   but its first) send a small delta and derive the arrays on the device (one Triton
   kernel on CUDA; on a CPU device the numpy reference, which then runs on the host); the
   row below it, ``of which derive call``, is the host time of that call alone (CUDA: the
-  kernel launch; CPU: the numpy derivation, which a CUDA step does not pay on the host).
+  kernel launch; CPU: the numpy derivation, which a CUDA step does not pay on the host),
+  and the next, the step's host time without it (per step, then the median).
 
 Below each builder, ``appends + step + view``: the median of the per-step sum, what an
 engine's decode step pays for its metadata (the issue's target applies to this).
@@ -70,6 +71,7 @@ STATELESS, INCREMENTAL, PERSISTENT = (
 DERIVED = "derive_on_device=True step + view"
 APPENDS = "appends"
 LAUNCH = "derive call"
+HOST = "less the derive call"
 TOTAL = " total"  # appends + step + view of a builder: what an engine's step pays
 ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
           "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
@@ -173,7 +175,9 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             if name == INCREMENTAL:
                 times[APPENDS].append(t1 - t0)
             if name == DERIVED:
-                times[LAUNCH].append(launches[-1] if launches else 0)
+                launch = launches[-1] if launches else 0
+                times[LAUNCH].append(launch)
+                times[HOST].append(t2 - t1 - launch)
         if check:
             pad = {} if name == INCREMENTAL else dict(pad_batch_to=bucket, pad_tokens_to=bucket,
                                                       max_blocks=max_blocks)
@@ -184,7 +188,7 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
     times: dict[str, list[int]] = {name: [] for name in (
         STATELESS, INCREMENTAL, APPENDS, PERSISTENT, INCREMENTAL + TOTAL, PERSISTENT + TOTAL)}
     if DERIVED in runs:
-        times.update({DERIVED: [], LAUNCH: [], DERIVED + TOTAL: []})
+        times.update({DERIVED: [], LAUNCH: [], HOST: [], DERIVED + TOTAL: []})
     copied: dict[str, list[int]] = {name: [] for name in runs}  # bytes a step's copy covers
     mismatch: list = []
     warmup = 5
@@ -216,7 +220,7 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
     base = medians[STATELESS]
     rows = []
     for name in (STATELESS, INCREMENTAL, APPENDS, INCREMENTAL + TOTAL, PERSISTENT,
-                 PERSISTENT + TOTAL, DERIVED, LAUNCH, DERIVED + TOTAL):
+                 PERSISTENT + TOTAL, DERIVED, LAUNCH, HOST, DERIVED + TOTAL):
         if name not in times:
             continue
         label = name
@@ -224,6 +228,8 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             label = f"  appends (append_each, ~{batch / BLOCK:g} reqs)"
         elif name == LAUNCH:
             label = "  of which derive call"
+        elif name == HOST:
+            label = "  step + view less the derive call"
         elif name.endswith(TOTAL):
             label = "  + appends (an engine's step)"
         owner = name.removesuffix(TOTAL)
