@@ -155,11 +155,16 @@ def test_steady_decode_runs_derive_and_other_steps_fall_back(device):
     assert derived == [0, 1, 1, 0, 1, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1]
 
 
-def test_derive_kernel_choice_is_checked():
+def test_derive_kernel_choice_is_checked(monkeypatch):
     run = Run(1)
-    with pytest.raises(InvalidArgumentError, match="derive kernel 'cuda'"):
+    for device, kernel in (("cpu", "cuda"), ("meta", None), ("meta", "numpy")):
+        with pytest.raises(InvalidArgumentError, match=f"derive kernel '{kernel or 'numpy'}' on a {device}"):
+            PersistentMetadata(run.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
+                               device=device, derive_on_device=True, derive_kernel=kernel)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InvalidArgumentError, match="TRITON_INTERPRET=1"):
         PersistentMetadata(run.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
-                           device="cpu", derive_on_device=True, derive_kernel="cuda")
+                           device="cpu", derive_on_device=True, derive_kernel="triton")
 
 
 def test_graph_replay_of_the_derive_kernel(device):

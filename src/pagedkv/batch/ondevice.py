@@ -101,10 +101,21 @@ class DeltaBuffers:
         self.device = device
         self.cuda = device.type == "cuda"
         kernel = kernel or ("triton" if self.cuda else "numpy")
-        if kernel not in ("triton", "numpy") or (self.cuda and kernel != "triton"):
+        if device.type not in ("cpu", "cuda") or kernel not in ("triton", "numpy") or (
+                self.cuda and kernel != "triton"):
             raise InvalidArgumentError(
-                f"derive kernel {kernel!r} on a {device.type} device: use 'triton' (any device;"
-                " on CPU through TRITON_INTERPRET=1) or 'numpy' (CPU only)")
+                f"derive kernel {kernel!r} on a {device.type} device: use 'triton' (CUDA, or"
+                " CPU through TRITON_INTERPRET=1) or 'numpy' (CPU only)")
+        if kernel == "triton":
+            if not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise InvalidArgumentError(
+                    "the Triton derive kernel on a CPU device runs only in Triton's "
+                    "interpreter: set TRITON_INTERPRET=1 before triton is imported")
+            try:
+                import pagedkv.batch.derive_kernel  # noqa: F401
+            except ImportError as e:
+                raise InvalidArgumentError(
+                    f"derive_on_device on {device.type} needs triton: {e}") from None
         self.kernel = kernel
         self.copies = 0
         self.copy_bytes = 0
