@@ -128,6 +128,7 @@ class DeltaBuffers:
         self.dev = (torch.zeros(nbytes, dtype=torch.uint8, device=device) if separate
                     else self.hosts[0])
         self.dev32 = self.dev.view(torch.int32)
+        self.index = self.dev.device.index
         self.events = [torch.cuda.Event() for _ in range(ring)] if self.cuda else []
         self.pending = [False] * ring
         self.heads: list[tuple | None] = [None] * ring  # per host buffer: (shape, n, length)
@@ -184,7 +185,7 @@ class DeltaBuffers:
         launch()
 
     def _current_stream(self) -> torch.cuda.Stream:
-        index = self.dev.device.index
+        index = self.index
         if _raw_stream is None:
             return torch.cuda.current_stream(index)
         raw = _raw_stream(index)
