@@ -291,26 +291,37 @@ def alone(batch: int, steps: int, dev: torch.device, g: Group, att: AttentionGro
         decode = Decode(batch, random.Random(batch + 1), 2 * steps + 10)
         builder = make()
         decode.load(builder)
+        launches: list[int] = []
+        if name == DERIVED:
+            timed_derive(builder, launches)
+        parts: list[tuple[int, int]] = []  # (appends, step + view less the derive call)
 
-        def one(prof=None, decode=decode, builder=builder) -> int:
+        def one(prof=None, decode=decode, builder=builder, launches=launches, parts=parts) -> int:
             opened = decode.advance()  # the benchmark's own bookkeeping: not timed
             if prof is not None:
                 prof.enable()
             t0 = time.perf_counter_ns()
             if opened:
                 builder.append_each([rid for rid, _ in opened], {0: [b for _, b in opened]})
+            t1 = time.perf_counter_ns()
+            launches.clear()
             attention_view(builder.step(decode.ids, decode.computed, decode.new)[0], att,
                            causal=True)
-            t1 = time.perf_counter_ns()
+            t2 = time.perf_counter_ns()
             if prof is not None:
                 prof.disable()
-            return t1 - t0
+            parts.append((t1 - t0, t2 - t1 - sum(launches)))
+            return t2 - t0
 
         for _ in range(5):
             one()
+        parts.clear()
         per = statistics.median(one() for _ in range(steps)) / 1e3
+        appends = statistics.median(p[0] for p in parts) / 1e3
+        step = statistics.median(p[1] for p in parts) / 1e3
         print(f"# alone, batch {batch}, {name} (appends included): median {per:.1f} us "
-              f"over {steps} back-to-back steps")
+              f"over {steps} back-to-back steps; appends {appends:.1f}, step + view "
+              f"{step:.1f}" + (" less the derive call" if name == DERIVED else ""))
         prof = cProfile.Profile()
         for _ in range(steps):
             one(prof)
