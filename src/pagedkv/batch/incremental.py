@@ -424,8 +424,8 @@ class MetadataBuilder:
                   page_lists, check) -> StepMetadata:
         """The step's StepMetadata from its device views and host lengths."""
         tables = self._tables.values()
-        if decode:
-            query_lens, bounds = _repeated(1, n), (1, 1)
+        if decode:  # (an empty step, also "decode": no query, bounds (0, 0))
+            query_lens, bounds = _repeated(1, n), ((1, 1) if n else (0, 0))
         else:
             query_lens = tuple(new.tolist())
             bounds = (min(query_lens, default=0), max(query_lens, default=0))
