@@ -192,3 +192,47 @@ def test_graph_replay_of_the_derive_kernel(device):
     before = pm.derived_steps
     steady_run(run, pm, 12, device, rare=0)
     assert pm.derived_steps == before + 12
+
+
+def test_a_steady_step_short_of_a_block_raises_as_the_full_path_does(device):
+    """A steady step whose row needs a page it was not given, or more than max_blocks, is
+    refused with the full path's error and changes nothing: given the block, the next step
+    is derived and right. Row a holds blocks past max_blocks (never read, never sent)."""
+    from test_batch import make_group
+
+    from pagedkv.batch import ScheduledRequest, build_metadata
+    from pagedkv.errors import MetadataError
+
+    kernel = kernels(device)[-1]
+    groups = [make_group(0, 4, num_blocks=100), make_group(1, 2, offset=1, num_blocks=100)]
+    pm = PersistentMetadata(groups, max_blocks=4, batch_buckets=[4], device=device,
+                            derive_on_device=True, derive_kernel=kernel)
+    pm._buffers.device_buffer.fill_(GARBAGE)
+    blocks = {"a": {0: [1, 2, 5, 6, 7], 1: [11, 12, 13, 14, 21, 22, 23, 24]},
+              "b": {0: [3], 1: [15, 16]}}
+    for rid, ids in blocks.items():
+        pm.add(rid, ids)
+
+    def check(computed):
+        before = pm.derived_steps
+        got = pm.step(["a", "b"], computed, [1, 1])
+        reqs = [ScheduledRequest(r, c, 1, blocks[r]) for r, c in zip("ab", computed, strict=True)]
+        assert_same(got, build_metadata(reqs, groups, pad_batch_to=4, pad_tokens_to=4,
+                                        max_blocks=4, device=device))
+        return pm.derived_steps - before
+
+    assert [check([6, 2]), check([7, 3])] == [0, 1]
+    with pytest.raises(MetadataError, match="request 'b' .* needs 2 blocks of 4"):
+        pm.step(["a", "b"], [7, 4], [1, 1])
+    blocks["b"][0].append(4)
+    pm.append_blocks("b", {0: [4]})
+    assert check([7, 4]) == 0  # a refused step leaves the next to the full path
+    with pytest.raises(MetadataError, match="request 'b' .* needs 3 blocks of 2"):
+        pm.step(["a", "b"], [7, 5], [1, 1])  # group 1 (offset 1): position 4 is in block 3
+    blocks["b"][1].append(17)
+    pm.append_blocks("b", {1: [17]})
+    assert check([7, 5]) == 0
+    assert check([8, 6]) == 1
+    with pytest.raises(InvalidArgumentError, match="max_blocks=4 but a request reads 5"):
+        pm.step(["a", "b"], [16, 6], [1, 1])
+    assert [check([8, 6]), check([8, 6])] == [0, 1]

@@ -146,8 +146,10 @@ class PersistentMetadata(MetadataBuilder):
                 return None
         longest = int(_max(computed))
         seqs: dict[int, np.ndarray] = {}  # by position offset
-        counts: dict[tuple[int, int], np.ndarray] = {}  # pages by (offset, block size)
+        # by (offset, block size): (pages, or pages - 1 without offset; nnz)
+        counts: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
         plans = []
+        held_now = []
         for table, (edits, old), (bs, k) in zip(self._tables.values(), held, self._geometry,
                                                 strict=True):
             if table.edits != edits or (longest + bs - k) // bs > self.max_blocks:
@@ -155,21 +157,23 @@ class PersistentMetadata(MetadataBuilder):
             seq = seqs.get(k)
             if seq is None:
                 seq = seqs[k] = computed + 1 if not k else np.maximum(computed + (1 - k), 0)
-            pages = counts.get((k, bs))
-            if pages is None:
+            count = counts.get((k, bs))
+            if count is None:
                 if k:
                     pages = seq + (bs - 1)
                     pages //= bs
-                else:  # seq = computed + 1 >= 1
-                    pages = computed // bs
-                    pages += 1
-                counts[(k, bs)] = pages
+                    count = counts[(k, bs)] = (pages, int(_sum(pages)))
+                else:  # seq = computed + 1 >= 1: pages = computed // bs + 1
+                    last = computed // bs
+                    count = counts[(k, bs)] = (last, int(_sum(last)) + n)
             lens = table.lens.take(rows)
-            # every page held; at most one block more than the device holds (a shrunk row,
-            # which needs an edit, would read huge)
-            if _any(lens < pages) or int(_max((lens - old).view(np.uint64))) > 1:
+            # every page held (pages - 1 < lens without offset); at most one block more than
+            # the device holds (a shrunk row, which needs an edit, would read huge)
+            short = count[0] >= lens if not k else count[0] > lens
+            if _any(short) or int(_max((lens - old).view(np.uint64))) > 1:
                 return None
-            plans.append((self.max_blocks, seq, pages, None, lens))
+            plans.append((self.max_blocks, seq, count[1], None, lens))
+            held_now.append((edits, lens))
 
         delta, at = self._delta.host(entry, n, self._head)  # type: ignore[union-attr]
         batch = entry.layout.batch
@@ -182,14 +186,13 @@ class PersistentMetadata(MetadataBuilder):
             ids_at = at + batch  # each row's last block: (an empty row's is never stored)
             table.ids.take(self._last_entries(table, rows) + lens, None,
                            delta[ids_at : ids_at + n], "clip")
-            nnz.append(int(_sum(plan[2])))
+            nnz.append(plan[2])
             at = ids_at + batch
         self._delta.send(at)  # type: ignore[union-attr]
         self._delta.derive(self._buffers.device_buffer, batch, len(plans))  # type: ignore[union-attr]
         qsl_dev, views, page_lists = self._buffers.views(entry, nnz)
         self._carry = None  # the host buffers do not hold this step's page lists
-        self._steady = (entry, rows, [(t.edits, p[4]) for t, p in
-                                      zip(self._tables.values(), plans, strict=True)])
+        self._steady = (entry, rows, held_now)
         self._derived_last = True
         self.derived_steps += 1
         fields = self._fields
