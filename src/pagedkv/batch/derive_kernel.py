@@ -17,9 +17,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# header of the delta buffer (int32): n, batch, groups, 0, then DESC ints per group
-HEADER = 4
-DESC = 10
+from pagedkv.batch import ondevice
+
+# the delta's header (n, batch, groups, unused) and ints per group descriptor
+HEADER = tl.constexpr(ondevice.HEADER)
+DESC = tl.constexpr(ondevice.DESC)
 
 
 @triton.jit
@@ -30,7 +32,7 @@ def derive_decode_kernel(delta, buf32, buf64, BLOCK_B: tl.constexpr, ROWS: tl.co
     n = tl.load(delta)
     batch = tl.load(delta + 1)
     groups = tl.load(delta + 2)
-    desc = delta + 4 + g * 10
+    desc = delta + HEADER + g * DESC
     bt_at = tl.load(desc)
     seq_at = tl.load(desc + 1)
     indptr_at = tl.load(desc + 2)
@@ -41,7 +43,7 @@ def derive_decode_kernel(delta, buf32, buf64, BLOCK_B: tl.constexpr, ROWS: tl.co
     width = tl.load(desc + 7)
     bs = tl.load(desc + 8)
     k = tl.load(desc + 9)
-    computed_at = 4 + groups * 10
+    computed_at = HEADER + groups * DESC
     new_at = computed_at + batch + g * 2 * batch  # held block counts, then last ids
 
     # every row's page count: the CSR offset of this program's first row, and nnz

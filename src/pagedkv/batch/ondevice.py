@@ -17,8 +17,8 @@ block-table width, block size and position offset; ``computed[batch]``; per grou
 device stores at column held - 1 (a no-op unless it was opened since the previous step;
 none for an empty row).
 
-:func:`derive_reference` is the same derivation in numpy: the CPU device's path, and the
-oracle's stand-in where no Triton is wanted.
+:func:`derive_reference` is the same derivation in numpy: what a CPU device runs (on the
+host), tested like the kernel against ``build_metadata``.
 """
 
 from __future__ import annotations
@@ -197,9 +197,10 @@ class DeltaBuffers:
 class _Launch:
     """One shape's kernel launch. After the first (compiling) launch through Triton's
     ``kernel[grid](...)``, CUDA launches call the compiled kernel's launcher directly with
-    raw pointers: Triton's per-call argument binding and cache lookup cost tens of us of
-    host time a step; the direct call a few (``PAGEDKV_TRITON_DIRECT=0`` turns it off).
-    Launch hooks (``triton.knobs.runtime.launch_enter_hook``) are not called on it."""
+    the shape's fixed raw pointers, skipping Triton's per-call argument binding,
+    specialisation and cache lookup (Python work of every launch; its host time on CUDA is
+    the benchmark's ``derive call`` row). ``PAGEDKV_TRITON_DIRECT=0`` turns it off. Launch
+    hooks (``triton.knobs.runtime.launch_enter_hook``) are not called on it."""
 
     def __init__(self, delta: torch.Tensor, buf: torch.Tensor, batch: int, groups: int) -> None:
         from pagedkv.batch.derive_kernel import derive_decode_kernel
