@@ -28,7 +28,7 @@ import torch
 
 from pagedkv.batch.buffers import Layout, StepBuffers
 from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _repeated, _sum
-from pagedkv.batch.metadata import StepMetadata, group_metadata
+from pagedkv.batch.metadata import GroupMetadata, StepMetadata
 from pagedkv.batch.ondevice import DeltaBuffers, descriptor
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.types import Group
@@ -74,7 +74,7 @@ class PersistentMetadata(MetadataBuilder):
         self._descriptors: dict[object, np.ndarray] = {}
         self._geometry = [(g.block_size, g.position_offset) for g in self.groups]
         self._starts: dict[int, tuple] = {}
-        # (batch rows, shape, the step-wide fields of a derived step of those)
+        # (batch rows, shape, each group's fields of a derived step that stay with those)
         self._fields: tuple | None = None
         self._derived_last = False
         self.derived_steps = 0
@@ -195,24 +195,35 @@ class PersistentMetadata(MetadataBuilder):
         self._steady = (entry, rows, held_now)
         self._derived_last = True
         self.derived_steps += 1
-        fields = self._fields
-        if fields is None or fields[0] is not rows or fields[1] is not entry:
-            fields = self._fields = (rows, entry, {
+        # each group's fields that stay while the rows and shape do (all but the lengths
+        # and the page list), merged once; the objects are filled through their instance
+        # dicts, as group_metadata does unchecked
+        fixed = self._fields
+        if fixed is None or fixed[0] is not rows or fixed[1] is not entry:
+            step_fields = {
                 "num_reqs": n, "num_tokens": n, "query_start_loc": qsl_dev, "req_ids": ids,
                 "query_lens_host": _repeated(1, n), "num_draft_tokens_host": _repeated(0, n),
-                "query_len_bounds": (1, 1)})
+                "query_len_bounds": (1, 1)}
+            fixed = self._fields = (rows, entry, [
+                {**self._constant[g.id], **step_fields, **dev}
+                for g, dev in zip(self.groups, views, strict=True)])
         out = {}
         lengths: dict[int, dict] = {}
-        for group, (_, k), plan, dev, page_list in zip(self.groups, self._geometry, plans,
-                                                       views, page_lists, strict=True):
+        for group, (_, k), plan, merged, page_list in zip(self.groups, self._geometry, plans,
+                                                          fixed[2], page_lists, strict=True):
             host = lengths.get(k)
             if host is None:
                 host = lengths[k] = {"seq_lens_host": tuple(plan[1].tolist()),
                                      "max_seq_len_host": max(longest + 1 - k, 0)}
-            out[group.id] = group_metadata(
-                (self._constant[group.id], fields[2], dev, host, {"paged_kv_indices": page_list}),
-                checked=False)
-        return StepMetadata(out)
+            meta = object.__new__(GroupMetadata)
+            fields = meta.__dict__
+            fields.update(merged)
+            fields.update(host)
+            fields["paged_kv_indices"] = page_list
+            out[group.id] = meta
+        step = object.__new__(StepMetadata)
+        step.__dict__["groups"] = out
+        return step
 
     def _head(self, entry) -> np.ndarray:
         """The delta's header and descriptors for a step shape (made once per shape)."""
