@@ -219,7 +219,10 @@ class _Launch:
             self.direct(_raw_stream(self.index))
             return
         compiled = self.kernel[self.grid](*self.args, **self.consts)
-        if self.cuda and _raw_stream is not None and os.environ.get("PAGEDKV_TRITON_DIRECT", "1") != "0":
+        # (the direct call launches in the current device's context: only where that is the
+        # buffer's device, as it is for an engine that sets its device once)
+        if (self.cuda and _raw_stream is not None and torch.cuda.current_device() == self.index
+                and os.environ.get("PAGEDKV_TRITON_DIRECT", "1") != "0"):
             self.direct = _direct(compiled, self.grid, self.args, self.consts)
 
 
