@@ -251,10 +251,14 @@ def builders(dev: torch.device, max_blocks: int) -> list:
     out = [
         (INCREMENTAL, lambda: MetadataBuilder([group()], device=dev, rows=BUCKETS[-1],
                                               width=max_blocks)),
-        (PERSISTENT, lambda: PersistentMetadata([group()], max_blocks=max_blocks,
-                                                batch_buckets=BUCKETS, device=dev)),
     ]
-    if "derive_on_device" in PersistentMetadata.__init__.__code__.co_varnames:
+    if "derive_on_device" not in PersistentMetadata.__init__.__code__.co_varnames:
+        out.append((PERSISTENT, lambda: PersistentMetadata(
+            [group()], max_blocks=max_blocks, batch_buckets=BUCKETS, device=dev)))
+    else:  # the full path, then the derived one (the default on CUDA)
+        out.append((PERSISTENT, lambda: PersistentMetadata(
+            [group()], max_blocks=max_blocks, batch_buckets=BUCKETS, device=dev,
+            derive_on_device=False)))
         out.append((DERIVED, lambda: PersistentMetadata(
             [group()], max_blocks=max_blocks, batch_buckets=BUCKETS, device=dev,
             derive_on_device=True)))

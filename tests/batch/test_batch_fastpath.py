@@ -50,7 +50,8 @@ class Run:
         self.builders = [
             MetadataBuilder(self.groups, rows=1, width=1, device=device),
             PersistentMetadata(self.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
-                               token_buckets=TOKEN_BUCKETS, device=device, rows=2),
+                               token_buckets=TOKEN_BUCKETS, device=device, rows=2,
+                               derive_on_device=False),  # the full path (ondevice tests: the other)
         ]
         if emulate:  # the CUDA buffer path on the CPU: two host buffers, a separate device one
             for b in self.builders:

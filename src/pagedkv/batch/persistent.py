@@ -12,7 +12,7 @@ captured for a bucket replays correctly with changed block tables, lengths and s
 ``paged_kv_indices`` keeps its true length (nnz) as a prefix of a fixed-capacity region:
 kernels that take it are not captured at a fixed shape.
 
-``derive_on_device=True``: a steady decode step (the previous step's rows in the same order,
+``derive_on_device`` (default: on for CUDA devices): a steady decode step (the previous step's rows in the same order,
 its shape, every row one new token and no draft, no block-table entry rewritten since, each
 row at most one block more) sends a small delta instead and one kernel derives the step's
 arrays in the same device buffer (:mod:`.ondevice`); any other step takes the full path.
@@ -50,7 +50,7 @@ class PersistentMetadata(MetadataBuilder):
         device: torch.device | str = "cuda",
         rows: int | None = None,
         checked: bool | None = None,
-        derive_on_device: bool = False,
+        derive_on_device: bool | None = None,
         derive_kernel: str | None = None,
     ) -> None:
         buckets = list(batch_buckets)
@@ -67,8 +67,11 @@ class PersistentMetadata(MetadataBuilder):
                          checked=checked)
         largest = Layout.of(self.batch_buckets[-1], self.token_buckets[-1], (max_blocks,) * len(self.groups))
         self._buffers = StepBuffers(self.device, capacity=largest.nbytes)
-        # steady decode steps derived on the device: the delta's buffers, each shape's
-        # descriptor, and how many steps took that path
+        # steady decode steps derived on the device (by default on CUDA: measured on the
+        # H200, docs/kernels.md): the delta's buffers, each shape's descriptor, and how
+        # many steps took that path
+        if derive_on_device is None:
+            derive_on_device = self.device.type == "cuda"
         self._delta = DeltaBuffers(self.device, self.batch_buckets[-1], len(self.groups),
                                    kernel=derive_kernel) if derive_on_device else None
         self._descriptors: dict[object, np.ndarray] = {}
