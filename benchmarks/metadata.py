@@ -12,7 +12,13 @@ so that a loaded machine slows them alike):
   request's length grows by one, and the requests whose new token opens a block get it
   first, in one ``append_each`` call (timed apart: ``appends``, ~batch/16 requests a step);
 - ``PersistentMetadata.step + view``: the same steps into fixed, bucketed buffers (the
-  CUDA-graph mode; buckets 64/256/1024, block tables wide enough for the whole run).
+  CUDA-graph mode; buckets 64/256/1024, block tables wide enough for the whole run);
+- ``derive_on_device=True``: the same persistent builder whose steady decode steps (all
+  but its first) send a small delta and derive the arrays on the device (one Triton
+  kernel on CUDA; on a CPU device the numpy reference, which then runs on the host); the
+  row below it, ``of which derive call``, is the host time of that call alone (CUDA: the
+  kernel launch; CPU: the numpy derivation, which a CUDA step does not pay on the host),
+  and the next, the step's host time without it (per step, then the median).
 
 Below each builder, ``appends + step + view``: the median of the per-step sum, what an
 engine's decode step pays for its metadata (the issue's target applies to this).
@@ -62,7 +68,10 @@ BLOCK = 16
 BUCKETS = (64, 256, 1024)
 STATELESS, INCREMENTAL, PERSISTENT = (
     "build_metadata + view", "MetadataBuilder.step + view", "PersistentMetadata.step + view")
+DERIVED = "derive_on_device=True step + view"
 APPENDS = "appends"
+LAUNCH = "derive call"
+HOST = "less the derive call"
 TOTAL = " total"  # appends + step + view of a builder: what an engine's step pays
 ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
           "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
@@ -140,15 +149,14 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
         return attention_view(build_metadata(static, [g], device=dev)[0], att, causal=True)
 
     runs = {}
-    for name, make in (
-        (INCREMENTAL, lambda: MetadataBuilder([g], device=dev, rows=batch, width=max_blocks)),
-        (PERSISTENT, lambda: PersistentMetadata([g], max_blocks=max_blocks, batch_buckets=BUCKETS,
-                                                device=dev)),
-    ):
+    for name, make in builders(dev, max_blocks):
         decode = Decode(batch, random.Random(batch + 1), steps + run + 10)
         builder = make()
         decode.load(builder)
         runs[name] = (decode, builder)
+    launches: list[int] = []
+    if DERIVED in runs:
+        timed_derive(runs[DERIVED][1], launches)
 
     def step(name: str, record: bool, check: bool) -> None:
         decode, builder = runs[name]
@@ -166,6 +174,10 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             times[name + TOTAL].append(t2 - t0)
             if name == INCREMENTAL:
                 times[APPENDS].append(t1 - t0)
+            if name == DERIVED:
+                launch = launches[-1] if launches else 0
+                times[LAUNCH].append(launch)
+                times[HOST].append(t2 - t1 - launch)
         if check:
             pad = {} if name == INCREMENTAL else dict(pad_batch_to=bucket, pad_tokens_to=bucket,
                                                       max_blocks=max_blocks)
@@ -173,8 +185,10 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             if not same(view.metadata, want):
                 mismatch.append((batch, name, decode.computed[0]))
 
-    times: dict[str, list[int]] = {STATELESS: [], INCREMENTAL: [], APPENDS: [], PERSISTENT: [],
-                                   INCREMENTAL + TOTAL: [], PERSISTENT + TOTAL: []}
+    times: dict[str, list[int]] = {name: [] for name in (
+        STATELESS, INCREMENTAL, APPENDS, PERSISTENT, INCREMENTAL + TOTAL, PERSISTENT + TOTAL)}
+    if DERIVED in runs:
+        times.update({DERIVED: [], LAUNCH: [], HOST: [], DERIVED + TOTAL: []})
     copied: dict[str, list[int]] = {name: [] for name in runs}  # bytes a step's copy covers
     mismatch: list = []
     warmup = 5
@@ -206,10 +220,16 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
     base = medians[STATELESS]
     rows = []
     for name in (STATELESS, INCREMENTAL, APPENDS, INCREMENTAL + TOTAL, PERSISTENT,
-                 PERSISTENT + TOTAL):
+                 PERSISTENT + TOTAL, DERIVED, LAUNCH, HOST, DERIVED + TOTAL):
+        if name not in times:
+            continue
         label = name
         if name == APPENDS:
             label = f"  appends (append_each, ~{batch / BLOCK:g} reqs)"
+        elif name == LAUNCH:
+            label = "  of which derive call"
+        elif name == HOST:
+            label = "  step + view less the derive call"
         elif name.endswith(TOTAL):
             label = "  + appends (an engine's step)"
         owner = name.removesuffix(TOTAL)
@@ -218,7 +238,43 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             nbytes = statistics.median(copied[owner])
         rows.append((batch, label, medians[name], medians[name] / base, tenths[name], nbytes,
                      name))
+    if DERIVED in runs:
+        builder = runs[DERIVED][1]
+        print(f"# batch {batch}: {builder.derived_steps} of the derive_on_device builder's "
+              f"{len(times[DERIVED]) + warmup} steps were derived on the device")
     return rows, mismatch, count
+
+
+def builders(dev: torch.device, max_blocks: int) -> list:
+    """(name, constructor) of each builder path (the device-derived one where this
+    pagedkv has it)."""
+    out = [
+        (INCREMENTAL, lambda: MetadataBuilder([group()], device=dev, rows=BUCKETS[-1],
+                                              width=max_blocks)),
+    ]
+    if "derive_on_device" not in PersistentMetadata.__init__.__code__.co_varnames:
+        out.append((PERSISTENT, lambda: PersistentMetadata(
+            [group()], max_blocks=max_blocks, batch_buckets=BUCKETS, device=dev)))
+    else:  # the full path, then the derived one (the default on CUDA)
+        out.append((PERSISTENT, lambda: PersistentMetadata(
+            [group()], max_blocks=max_blocks, batch_buckets=BUCKETS, device=dev,
+            derive_on_device=False)))
+        out.append((DERIVED, lambda: PersistentMetadata(
+            [group()], max_blocks=max_blocks, batch_buckets=BUCKETS, device=dev,
+            derive_on_device=True)))
+    return out
+
+
+def timed_derive(builder, launches: list[int]) -> None:
+    """Record the host time of each derive call of ``builder`` (on CUDA: the launch)."""
+    delta = builder._delta
+    real = delta.derive
+
+    def derive(*args) -> None:
+        t0 = time.perf_counter_ns()
+        real(*args)
+        launches.append(time.perf_counter_ns() - t0)
+    delta.derive = derive
 
 
 def median_us(fn, repeat: int = 300, inner: int = 1) -> float:
@@ -235,34 +291,41 @@ def median_us(fn, repeat: int = 300, inner: int = 1) -> float:
 def alone(batch: int, steps: int, dev: torch.device, g: Group, att: AttentionGroup) -> None:
     """Each builder's steps back to back (no other path in between), then under cProfile."""
     max_blocks = (1280 + 2 * steps + 8) // BLOCK + 2
-    for name, make in (
-        (INCREMENTAL, lambda: MetadataBuilder([g], device=dev, rows=batch, width=max_blocks)),
-        (PERSISTENT, lambda: PersistentMetadata([g], max_blocks=max_blocks, batch_buckets=BUCKETS,
-                                                device=dev)),
-    ):
+    for name, make in builders(dev, max_blocks):
         decode = Decode(batch, random.Random(batch + 1), 2 * steps + 10)
         builder = make()
         decode.load(builder)
+        launches: list[int] = []
+        if name == DERIVED:
+            timed_derive(builder, launches)
+        parts: list[tuple[int, int]] = []  # (appends, step + view less the derive call)
 
-        def one(prof=None, decode=decode, builder=builder) -> int:
+        def one(prof=None, decode=decode, builder=builder, launches=launches, parts=parts) -> int:
             opened = decode.advance()  # the benchmark's own bookkeeping: not timed
             if prof is not None:
                 prof.enable()
             t0 = time.perf_counter_ns()
             if opened:
                 builder.append_each([rid for rid, _ in opened], {0: [b for _, b in opened]})
+            t1 = time.perf_counter_ns()
+            launches.clear()
             attention_view(builder.step(decode.ids, decode.computed, decode.new)[0], att,
                            causal=True)
-            t1 = time.perf_counter_ns()
+            t2 = time.perf_counter_ns()
             if prof is not None:
                 prof.disable()
-            return t1 - t0
+            parts.append((t1 - t0, t2 - t1 - sum(launches)))
+            return t2 - t0
 
         for _ in range(5):
             one()
+        parts.clear()
         per = statistics.median(one() for _ in range(steps)) / 1e3
+        appends = statistics.median(p[0] for p in parts) / 1e3
+        step = statistics.median(p[1] for p in parts) / 1e3
         print(f"# alone, batch {batch}, {name} (appends included): median {per:.1f} us "
-              f"over {steps} back-to-back steps")
+              f"over {steps} back-to-back steps; appends {appends:.1f}, step + view "
+              f"{step:.1f}" + (" less the derive call" if name == DERIVED else ""))
         prof = cProfile.Profile()
         for _ in range(steps):
             one(prof)

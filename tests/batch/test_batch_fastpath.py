@@ -50,7 +50,8 @@ class Run:
         self.builders = [
             MetadataBuilder(self.groups, rows=1, width=1, device=device),
             PersistentMetadata(self.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
-                               token_buckets=TOKEN_BUCKETS, device=device, rows=2),
+                               token_buckets=TOKEN_BUCKETS, device=device, rows=2,
+                               derive_on_device=False),  # the full path (ondevice tests: the other)
         ]
         if emulate:  # the CUDA buffer path on the CPU: two host buffers, a separate device one
             for b in self.builders:
@@ -107,6 +108,30 @@ class Run:
                     cut[g.id] = list(blocks[g.id])
             if cut:
                 self.each("set_blocks", rid, cut)
+
+    def schedule(self, kind_of, batched: dict | None = None) -> list[ScheduledRequest]:
+        """Grow every request, in batch order, by its next step (``kind_of(rid)``: "decode",
+        "draft" or "prefill"; page openings batched as in :meth:`grow`, then one
+        ``append_each`` per group) and return the step's ScheduledRequests."""
+        plan = []
+        for rid in self.order:
+            kind = kind_of(rid)
+            drafts = self.rng.randint(1, 3) if kind == "draft" else 0
+            new = 1 + drafts if kind != "prefill" else self.rng.randint(2, 6)
+            self.grow(rid, new, batched)
+            plan.append((rid, new, drafts))
+        for gid, pairs in (batched or {}).items():
+            self.each("append_each", [r for r, _ in pairs], {gid: [b for _, b in pairs]})
+        return [ScheduledRequest(rid, self.live[rid][0], new,
+                                 {g: list(b) for g, b in self.live[rid][1].items()}, drafts)
+                for rid, new, drafts in plan]
+
+    def padded(self, sched: list[ScheduledRequest], device="cpu"):
+        """build_metadata of the step padded as the test PersistentMetadata pads it."""
+        tokens = sum(r.num_new_tokens for r in sched)
+        return build_metadata(sched, self.groups, pad_batch_to=bucket(len(sched), BATCH_BUCKETS),
+                              pad_tokens_to=bucket(tokens, TOKEN_BUCKETS), max_blocks=WIDTH,
+                              device=device)
 
     def window_free(self, rid: str) -> None:
         blocks = self.live[rid][1][2]
@@ -169,21 +194,10 @@ def test_fast_path_equals_build_metadata_over_decode_runs(device, mode, seed):
         elif event < 0.26:
             run.window_free(rng.choice(run.order))
         pure_decode = rng.random() < 0.6
-        sched = []
         batched: dict | None = {} if rng.random() < 0.5 else None
-        plan = []
-        for rid in run.order:
-            kind = "decode" if pure_decode else rng.choice(["decode", "decode", "draft", "prefill"])
-            drafts = rng.randint(1, 3) if kind == "draft" else 0
-            new = 1 + drafts if kind != "prefill" else rng.randint(2, 6)
-            run.grow(rid, new, batched)
-            plan.append((rid, new, drafts))
-        for gid, pairs in (batched or {}).items():
-            run.each("append_each", [r for r, _ in pairs], {gid: [b for _, b in pairs]})
-        for rid, new, drafts in plan:
-            computed, blocks = run.live[rid]
-            sched.append(ScheduledRequest(rid, computed, new, {g: list(b) for g, b in blocks.items()},
-                                          drafts))
+        sched = run.schedule(
+            lambda _, pure=pure_decode: "decode" if pure else rng.choice(
+                ["decode", "decode", "draft", "prefill"]), batched)
         args = ([r.req_id for r in sched], np.array([r.num_computed_tokens for r in sched]),
                 np.array([r.num_new_tokens for r in sched], dtype=np.int64),
                 [r.num_draft_tokens for r in sched])
@@ -194,8 +208,7 @@ def test_fast_path_equals_build_metadata_over_decode_runs(device, mode, seed):
         tokens = sum(r.num_new_tokens for r in sched)
         batch_b, token_b = bucket(len(sched), BATCH_BUCKETS), bucket(tokens, TOKEN_BUCKETS)
         got = persistent.step(*args, checked=checked)
-        assert_same(got, build_metadata(sched, run.groups, pad_batch_to=batch_b,
-                                        pad_tokens_to=token_b, max_blocks=WIDTH, device=device))
+        assert_same(got, run.padded(sched, device))
         # a bucket's arrays never move (what a captured CUDA graph relies on)
         # (an empty tensor reports address 0: nothing is read through it)
         ptrs = {(gid, name): getattr(m, name).data_ptr() for gid, m in got.items()
@@ -322,21 +335,11 @@ def test_carried_page_lists_equal_build_metadata_in_steady_decode(monkeypatch, e
     for step in range(40):
         if step == 15:
             run.window_free(run.order[3])
-        batched: dict = {}
-        for rid in run.order:
-            run.grow(rid, 1, batched if step % 2 else None)
-        for gid, pairs in batched.items():
-            run.each("append_each", [r for r, _ in pairs], {gid: [b for _, b in pairs]})
-        sched = [ScheduledRequest(rid, run.live[rid][0], 1,
-                                  {g: list(b) for g, b in run.live[rid][1].items()})
-                 for rid in run.order]
+        sched = run.schedule(lambda _: "decode", {} if step % 2 else None)
         args = (run.order, [r.num_computed_tokens for r in sched], [1] * len(sched))
         plain, persistent = run.builders
         assert_same(plain.step(*args), build_metadata(sched, run.groups))
-        b = bucket(len(sched), BATCH_BUCKETS)
-        assert_same(persistent.step(*args), build_metadata(
-            sched, run.groups, pad_batch_to=b, pad_tokens_to=bucket(len(sched), TOKEN_BUCKETS),
-            max_blocks=WIDTH))
+        assert_same(persistent.step(*args), run.padded(sched))
         for r in sched:
             run.settle(r.req_id, 1, 0)
         if step == 25:  # a rollback: the row's entries change, the next step gathers

@@ -43,7 +43,8 @@ def assert_same(got, want):
             assert a.dtype == b.dtype and a.shape == b.shape, (gid, name, a.shape, b.shape)
             assert torch.equal(a, b), (gid, name, a.tolist(), b.tolist())
         for name in ("num_reqs", "num_tokens", "req_ids", "query_lens_host", "seq_lens_host",
-                     "num_draft_tokens_host", "block_size", "position_offset", "layer_names"):
+                     "num_draft_tokens_host", "block_size", "position_offset", "layer_names",
+                     "max_seq_len", "min_query_len", "max_query_len", "batch_size"):
             assert getattr(g, name) == getattr(w, name), (gid, name)
 
 

@@ -116,3 +116,18 @@ def test_view_refuses_layers_of_another_block_table():
     stranger = AttentionGroup("x", "target", ("t0", "elsewhere"))
     with pytest.raises(InvalidArgumentError, match="elsewhere"):
         attention_view(meta_for([1]), stranger, causal=True)
+
+
+def test_view_has_every_field_as_the_constructor_sets_it():
+    """attention_view fills the frozen view through its instance dict (no __init__): every
+    dataclass field must be set, and the view must equal a constructed one field by field."""
+    import dataclasses
+
+    from pagedkv.batch import AttentionView
+
+    meta = meta_for([1, 3, 1])
+    view = attention_view(meta, AttentionGroup.from_layers("target", TARGET), causal=True)
+    fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(AttentionView)}
+    assert fields == {**AttentionView(**fields).__dict__}
+    assert (view.decode_reqs_host, view.prefill_reqs_host) == ((0, 2), (1,))
+    assert view.decode_reqs.tolist() == [0, 2] and view.num_prefill_tokens == 3

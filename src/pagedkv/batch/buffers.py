@@ -169,6 +169,12 @@ class StepBuffers:
         return self._nbytes
 
     @property
+    def device_buffer(self) -> torch.Tensor:
+        """The uint8 buffer every step's device views point into (on a CPU device without
+        emulation: the one host buffer)."""
+        return self._dev if self._dev is not None else self._hosts[0]
+
+    @property
     def copy_bytes(self) -> int:
         """Bytes the last step's host-to-device copy covered (on a CPU device, where no copy
         is made: what a CUDA step of the same shape would copy); 0 before any step."""
@@ -263,6 +269,14 @@ class StepBuffers:
                 self._pending[turn] = True
             if len(self._raw) > 1:
                 self._turn = turn ^ 1
+        return self.views(entry, nnz)
+
+    def views(
+        self, entry: _Shape, nnz: list[int]
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+        """The device views of the step shape (cached: do not modify the dicts) and each
+        group's page list cut to its ``nnz`` entries, without a copy (:meth:`send` copies
+        first; a step derived on the device calls this alone)."""
         self._last = (entry, nnz)
         qsl, groups = entry.device
         cache = entry.pages

@@ -134,6 +134,9 @@ class MetadataBuilder:
         # (shape entry, batch rows, per group (table edits, pages)) of the last completed step:
         # its page lists are carried into the next step of the same rows and shape
         self._carry: tuple | None = None
+        # (shape entry, batch rows, per group (table edits, row lengths)) of the last step
+        # when it was a decode step (else None): see PersistentMetadata
+        self._steady: tuple | None = None
         # each group's GroupMetadata fields that never change between steps
         self._constant = {
             g.id: {"group_id": g.id, "block_size": g.block_size,
@@ -331,6 +334,7 @@ class MetadataBuilder:
         padded batch, padded tokens and the block-table width (None: widest row)."""
         ids = req_ids if type(req_ids) is tuple else tuple(req_ids)
         n = len(ids)
+        self._steady = None  # set again only when this step completes
         rows = self._lookup(ids)
         computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
         new, shortest = self._counts("num_new_tokens", num_new_tokens, n)
@@ -388,7 +392,7 @@ class MetadataBuilder:
         previous = self._buffers.previous(entry) if carry is not None else None
         nnz = []
         states = []
-        for i, (table, (width, seq_lens, pages, cols), host) in enumerate(
+        for i, (table, (width, seq_lens, pages, cols, _), host) in enumerate(
                 zip(tables, plans, hosts, strict=True)):
             src = table.ids if width == table.ids.shape[1] else table.ids[:, :width]
             block_table = host["block_table"]
@@ -409,8 +413,19 @@ class MetadataBuilder:
 
         qsl_dev, views, page_lists = self._buffers.send(entry, nnz)
         self._carry = (entry, rows, states)
-        if decode:
-            query_lens, bounds = _repeated(1, n), (1, 1)
+        # what a step derived on the device next needs (PersistentMetadata's device mode):
+        # the shape, the rows, and each table's edits and row lengths the device now holds
+        self._steady = (entry, rows, [(t.edits, p[4]) for t, p in zip(tables, plans, strict=True)]
+                        ) if decode else None
+        return self._metadata(ids, n, num_tokens, decode, new, drafts, plans, qsl_dev, views,
+                              page_lists, check)
+
+    def _metadata(self, ids, n, num_tokens, decode, new, drafts, plans, qsl_dev, views,
+                  page_lists, check) -> StepMetadata:
+        """The step's StepMetadata from its device views and host lengths."""
+        tables = self._tables.values()
+        if decode:  # (an empty step, also "decode": no query, bounds (0, 0))
+            query_lens, bounds = _repeated(1, n), ((1, 1) if n else (0, 0))
         else:
             query_lens = tuple(new.tolist())
             bounds = (min(query_lens, default=0), max(query_lens, default=0))
@@ -425,7 +440,7 @@ class MetadataBuilder:
         }
         out = {}
         seq_host: dict[int, dict[str, object]] = {}  # one offset, one set of lengths
-        for table, (_, seq_lens, _, _), dev, page_list in zip(tables, plans, views, page_lists,
+        for table, (_, seq_lens, _, _, _), dev, page_list in zip(tables, plans, views, page_lists,
                                                             strict=True):
             group = table.group
             k = group.position_offset
@@ -458,7 +473,7 @@ class MetadataBuilder:
 
     @staticmethod
     def _plan(table: _Table, rows, total, max_blocks, req_ids, computed, split):
-        """(block-table width, seq_lens, pages, cols) of one group's step; ``cols``: the
+        """(block-table width, seq_lens, pages, cols, lens) of one group's step; ``cols``: the
         (page column, in-page offset) of each row's position in a decode step of an offset-0
         group (``split``: those already made this step, by block size), else None."""
         group, bs = table.group, table.group.block_size
@@ -490,7 +505,7 @@ class MetadataBuilder:
                 raise InvalidArgumentError(
                     f"group {group.id}: max_blocks={width} but a request reads {need} blocks"
                 )
-        return width, seq_lens, pages, cols
+        return width, seq_lens, pages, cols, lens
 
     def _requests(self, req_ids, computed, new, drafts) -> list[ScheduledRequest]:
         """The step as ScheduledRequests (checked mode only: slow)."""

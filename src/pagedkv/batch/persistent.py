@@ -11,6 +11,11 @@ captured for a bucket replays correctly with changed block tables, lengths and s
 
 ``paged_kv_indices`` keeps its true length (nnz) as a prefix of a fixed-capacity region:
 kernels that take it are not captured at a fixed shape.
+
+``derive_on_device`` (default: on for CUDA devices): a steady decode step (the previous step's rows in the same order,
+its shape, every row one new token and no draft, no block-table entry rewritten since, each
+row at most one block more) sends a small delta instead and one kernel derives the step's
+arrays in the same device buffer (:mod:`.ondevice`); any other step takes the full path.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import numpy as np
 import torch
 
 from pagedkv.batch.buffers import Layout, StepBuffers
-from pagedkv.batch.incremental import MetadataBuilder
-from pagedkv.batch.metadata import StepMetadata
+from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _repeated, _sum
+from pagedkv.batch.metadata import GroupMetadata, StepMetadata
+from pagedkv.batch.ondevice import DeltaBuffers, descriptor
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.types import Group
 
@@ -44,6 +50,8 @@ class PersistentMetadata(MetadataBuilder):
         device: torch.device | str = "cuda",
         rows: int | None = None,
         checked: bool | None = None,
+        derive_on_device: bool | None = None,
+        derive_kernel: str | None = None,
     ) -> None:
         buckets = list(batch_buckets)
         tokens = list(token_buckets) if token_buckets is not None else buckets
@@ -59,6 +67,20 @@ class PersistentMetadata(MetadataBuilder):
                          checked=checked)
         largest = Layout.of(self.batch_buckets[-1], self.token_buckets[-1], (max_blocks,) * len(self.groups))
         self._buffers = StepBuffers(self.device, capacity=largest.nbytes)
+        # steady decode steps derived on the device (by default on CUDA: measured on the
+        # H200, docs/kernels.md): the delta's buffers, each shape's descriptor, and how
+        # many steps took that path
+        if derive_on_device is None:
+            derive_on_device = self.device.type == "cuda"
+        self._delta = DeltaBuffers(self.device, self.batch_buckets[-1], len(self.groups),
+                                   kernel=derive_kernel) if derive_on_device else None
+        self._descriptors: dict[object, np.ndarray] = {}
+        self._geometry = [(g.block_size, g.position_offset) for g in self.groups]
+        self._starts: dict[int, tuple] = {}
+        # (batch rows, shape, each group's fields of a derived step that stay with those)
+        self._fields: tuple | None = None
+        self._derived_last = False
+        self.derived_steps = 0
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +90,14 @@ class PersistentMetadata(MetadataBuilder):
     @property
     def copies(self) -> int:
         """Host-to-device copies issued so far (one per step on a non-CPU device)."""
-        return self._buffers.copies
+        return self._buffers.copies + (self._delta.copies if self._delta is not None else 0)
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes the last step's one copy covered (a derived step's: its delta's)."""
+        if self._derived_last:
+            return self._delta.copy_bytes  # type: ignore[union-attr]
+        return self._buffers.copy_bytes
 
     def bucket(self, n: int, buckets: list[int], what: str) -> int:
         i = bisect.bisect_left(buckets, n)
@@ -92,5 +121,128 @@ class PersistentMetadata(MetadataBuilder):
             return (self.bucket(num_reqs, self.batch_buckets, "requests"),
                     self.bucket(num_tokens, self.token_buckets, "tokens"), self.max_blocks)
 
+        if self._delta is not None and self._steady is not None and not (
+                self.checked if checked is None else checked):
+            out = self._derived(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens)
+            if out is not None:
+                return out
+        self._derived_last = False
         return self._step(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens,
                           checked, shape)
+
+    def _derived(self, req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens):
+        """A steady decode step derived on the device (see the module doc), or None, with
+        nothing changed, when the step is not one (or would fail: the full path then raises
+        the error). Lean on purpose: this is the step whose host time the target is about."""
+        entry, rows, held = self._steady  # type: ignore[misc]
+        ids = req_ids if type(req_ids) is tuple else tuple(req_ids)
+        if self._lookup(ids) is not rows:  # not the previous step's rows (nor its shape)
+            return None
+        n = len(ids)
+        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
+        new, least = self._counts("num_new_tokens", num_new_tokens, n)
+        if least != 1 or int(_max(new)) != 1:
+            return None
+        if num_draft_tokens is not None:
+            drafts, _ = self._counts("num_draft_tokens", num_draft_tokens, n)
+            if int(_max(drafts)):
+                return None
+        longest = int(_max(computed))
+        seqs: dict[int, np.ndarray] = {}  # by position offset
+        # by (offset, block size): (pages, or pages - 1 without offset; nnz)
+        counts: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+        plans = []
+        held_now = []
+        for table, (edits, old), (bs, k) in zip(self._tables.values(), held, self._geometry,
+                                                strict=True):
+            if table.edits != edits or (longest + bs - k) // bs > self.max_blocks:
+                return None
+            seq = seqs.get(k)
+            if seq is None:
+                seq = seqs[k] = computed + 1 if not k else np.maximum(computed + (1 - k), 0)
+            count = counts.get((k, bs))
+            if count is None:
+                if k:
+                    pages = seq + (bs - 1)
+                    pages //= bs
+                    count = counts[(k, bs)] = (pages, int(_sum(pages)))
+                else:  # seq = computed + 1 >= 1: pages = computed // bs + 1
+                    last = computed // bs
+                    count = counts[(k, bs)] = (last, int(_sum(last)) + n)
+            lens = table.lens.take(rows)
+            # every page held (pages - 1 < lens without offset); at most one block more than
+            # the device holds (a shrunk row, which needs an edit, would read huge)
+            short = count[0] >= lens if not k else count[0] > lens
+            if _any(short) or int(_max((lens - old).view(np.uint64))) > 1:
+                return None
+            plans.append((self.max_blocks, seq, count[1], None, lens))
+            held_now.append((edits, lens))
+
+        delta, at = self._delta.host(entry, n, self._head)  # type: ignore[union-attr]
+        batch = entry.layout.batch
+        delta[at : at + n] = computed
+        at += batch
+        nnz = []
+        for table, plan in zip(self._tables.values(), plans, strict=True):
+            lens = plan[4]
+            delta[at : at + n] = lens
+            ids_at = at + batch  # each row's last block: (an empty row's is never stored)
+            table.ids.take(self._last_entries(table, rows) + lens, None,
+                           delta[ids_at : ids_at + n], "clip")
+            nnz.append(plan[2])
+            at = ids_at + batch
+        self._delta.send(at)  # type: ignore[union-attr]
+        self._delta.derive(self._buffers.device_buffer, batch, len(plans))  # type: ignore[union-attr]
+        qsl_dev, views, page_lists = self._buffers.views(entry, nnz)
+        self._carry = None  # the host buffers do not hold this step's page lists
+        self._steady = (entry, rows, held_now)
+        self._derived_last = True
+        self.derived_steps += 1
+        # each group's fields that stay while the rows and shape do (all but the lengths
+        # and the page list), merged once; the objects are filled through their instance
+        # dicts, as group_metadata does unchecked
+        fixed = self._fields
+        if fixed is None or fixed[0] is not rows or fixed[1] is not entry:
+            step_fields = {
+                "num_reqs": n, "num_tokens": n, "query_start_loc": qsl_dev, "req_ids": ids,
+                "query_lens_host": _repeated(1, n), "num_draft_tokens_host": _repeated(0, n),
+                "query_len_bounds": (1, 1)}
+            fixed = self._fields = (rows, entry, [
+                {**self._constant[g.id], **step_fields, **dev}
+                for g, dev in zip(self.groups, views, strict=True)])
+        out = {}
+        lengths: dict[int, dict] = {}
+        for group, (_, k), plan, merged, page_list in zip(self.groups, self._geometry, plans,
+                                                          fixed[2], page_lists, strict=True):
+            host = lengths.get(k)
+            if host is None:
+                host = lengths[k] = {"seq_lens_host": tuple(plan[1].tolist()),
+                                     "max_seq_len_host": max(longest + 1 - k, 0)}
+            meta = object.__new__(GroupMetadata)
+            fields = meta.__dict__
+            fields.update(merged)
+            fields.update(host)
+            fields["paged_kv_indices"] = page_list
+            out[group.id] = meta
+        step = object.__new__(StepMetadata)
+        step.__dict__["groups"] = out
+        return step
+
+    def _head(self, entry) -> np.ndarray:
+        """The delta's header and descriptors for a step shape (made once per shape)."""
+        head = self._descriptors.get(entry)
+        if head is None:
+            head = self._descriptors[entry] = descriptor(
+                entry.layout, tuple(g.block_size for g in self.groups),
+                tuple(g.position_offset for g in self.groups))
+        return head
+
+    def _last_entries(self, table, rows: np.ndarray) -> np.ndarray:
+        """Flat index, in the table's host array, of the entry before each batch row's
+        first: + the row's block count gives its last block (cached while the batch rows
+        and the array's width are unchanged)."""
+        width = table.ids.shape[1]
+        cached = self._starts.get(table.group.id)
+        if cached is None or cached[0] is not rows or cached[1] != width:
+            cached = self._starts[table.group.id] = (rows, width, rows * width - 1)
+        return cached[2]

@@ -178,7 +178,10 @@ def attention_view(meta: GroupMetadata, group: AttentionGroup, *, causal: bool) 
         prefills = tuple(i for i, q in enumerate(q_lens) if q > threshold)
         decode_tokens = sum(q_lens[i] for i in decodes)
         prefill_tokens = sum(q_lens[i] for i in prefills)
-    return AttentionView(
+    # filled through the instance dict: the frozen __init__ costs one object.__setattr__ per
+    # field, a few us of a decode step's host time (AttentionView has no __post_init__)
+    view = object.__new__(AttentionView)
+    view.__dict__.update(
         group=group,
         metadata=meta,
         causal=causal,
@@ -187,6 +190,7 @@ def attention_view(meta: GroupMetadata, group: AttentionGroup, *, causal: bool) 
         num_decode_tokens=decode_tokens,
         num_prefill_tokens=prefill_tokens,
     )
+    return view
 
 
 @lru_cache(maxsize=64)
