@@ -320,7 +320,8 @@ class KVCacheManager:
                     raise InvalidArgumentError(f"bad multimodal span [{a}, {b})")
         root = root_hash(tuple(extra_keys), self.hash_secret) if extra_keys else self._root
         req = RequestState(request_id, list(prompt_tokens), root, spans, len(self.managers),
-                           max_new_tokens)
+                           max_new_tokens, recurrent=bool(self._recurrent_managers),
+                           windowed=bool(self._window_managers))
         self.prefix.hash_full_blocks(req)  # once per prompt; later blocks as they fill
         self._reqs[request_id] = req
 
