@@ -325,6 +325,33 @@ def test_preempted_request_hits_its_own_cached_blocks_on_readmission():
     assert m.allocate("a", n - 12)
 
 
+def test_state_only_recurrent_and_window_groups_write_is_shared_only_without_them():
+    # full attention only: saves/marks/rolling/first_live are one immutable tuple for all
+    m = make(full_only(num_blocks=64))
+    prefill(m, "a", tokens(10))
+    prefill(m, "b", tokens(10, 100))
+    a, b = m.requests["a"], m.requests["b"]
+    assert type(a.saves) is tuple and a.saves is b.saves and a.first_live is b.first_live
+    m.preempt("a")  # reset keeps the shared form
+    assert a.saves is b.saves and a.rolling is b.rolling
+    # recurrent + window groups: every request owns lists those groups write, also after
+    # a preemption, and a preempted request still saves and restores checkpoints
+    m = make(kimi_dspark_like(checkpoint_every=2))
+    prefill(m, "a", tokens(20))
+    prefill(m, "b", tokens(20, 100))
+    a, b = m.requests["a"], m.requests["b"]
+    assert type(a.saves) is list and a.saves is not b.saves and a.marks is not b.marks
+    m.preempt("b")
+    assert type(b.saves) is list and type(b.rolling) is list and b.saves is not a.saves
+    assert m.find_cached_prefix("b") == 16  # its own checkpoint at 16 survived
+    assert m.allocate("b", m.num_tokens("b") - 16)
+    m = make(gpt_oss_like(window=8))
+    prefill(m, "a", tokens(12))
+    prefill(m, "b", tokens(12, 100))
+    assert type(m.requests["a"].first_live) is list
+    assert m.requests["a"].first_live is not m.requests["b"].first_live
+
+
 # --- cross, shared pools, events, metrics -------------------------------------------------
 
 def test_cross_group_holds_fixed_blocks_and_never_limits_hits():
