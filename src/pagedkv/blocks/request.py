@@ -71,7 +71,9 @@ class RequestState:
         self.num_computed = 0
         self.tables: list[list[BlockId]] = [[] for _ in range(n)]  # by GroupIndex
         self.ncached = [0] * n
-        self.unwritten: list[list[BlockId]] = [[] for _ in range(n)]
+        # () until a group caches blocks at allocation (most groups of most requests never
+        # hold one past their first commit): no list to allocate and track until then
+        self.unwritten: list[list[BlockId] | tuple[()]] = [()] * n
         self.first_live: list[int] | tuple[int, ...] = [0] * n if windowed else _ZEROS[n]
         self.copy_src: list[BlockId | None] = [None] * n
         self.pending: PendingHit | None = None
