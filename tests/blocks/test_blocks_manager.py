@@ -352,6 +352,26 @@ def test_state_only_recurrent_and_window_groups_write_is_shared_only_without_the
     assert m.requests["a"].first_live is not m.requests["b"].first_live
 
 
+def test_a_preempted_request_keeps_one_rolling_decode_checkpoint():
+    # the newest decode checkpoint survives a preemption, so the next one replaces it (and
+    # drops it from the cache) instead of leaving two for one request
+    m = make(kimi_dspark_like())
+    prefill(m, "a", tokens(20))
+    decode(m, "a", range(40))
+    old = m.requests["a"].rolling[1]
+    pool = m.managers[1].pool
+    assert old is not None and pool.block_hash[old.slot] == old.key
+    m.preempt("a")
+    assert m.requests["a"].rolling[1] == old
+    hit = m.find_cached_prefix("a")
+    assert hit == 60  # restored from that checkpoint
+    assert m.allocate("a", m.num_tokens("a") - hit)
+    m.commit("a", m.num_tokens("a") - hit, [7])
+    decode(m, "a", range(40))
+    new = m.requests["a"].rolling[1]
+    assert new != old and pool.block_hash[old.slot] != old.key
+
+
 # --- cross, shared pools, events, metrics -------------------------------------------------
 
 def test_cross_group_holds_fixed_blocks_and_never_limits_hits():

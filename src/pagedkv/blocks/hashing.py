@@ -162,12 +162,12 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
 # Recent chain links of ``sha256``: the exact input (parent digest + block bytes) -> its
 # digest; and runs of ``_SHA_CHUNK`` links: parent digest + the run's bytes -> every link's
 # key (the last key's 32 bytes are the run's last digest). Bytes and one tuple of ints per
-# entry: the fewest objects for the cyclic GC to count. A prefix many requests share (a system prompt) is then
-# hashed once, not once per request, and looked up in a few steps; the dicts compare
-# whole inputs, so this is SHA-256 exactly (no new collisions), and the parent digest
-# carries the secret and salts. Bounded: each is cleared when full (at most ~16 MiB of
-# links at blocks of 16 tokens, ~6 MiB of runs). A run and a link of another block size
-# can have inputs of one length: they live in separate dicts.
+# entry: the fewest objects for the cyclic GC to count. A prefix many requests share (a
+# system prompt) is then hashed once, not once per request, and looked up in a few steps;
+# the dicts compare whole inputs, so this is SHA-256 exactly (no new collisions), and the
+# parent digest carries the secret and salts. Bounded: each is cleared when full (at most
+# ~16 MiB of links at blocks of 16 tokens, ~6 MiB of runs). A run and a link of another
+# block size can have inputs of one length: they live in separate dicts.
 _SHA_MEMO: dict[bytes, bytes] = {}
 _SHA_MEMO_MAX = 1 << 16
 _SHA_CHUNK = 8

@@ -63,6 +63,9 @@ class RequestState:
         self.hashes: dict[int, list[int]] = {}
         self.num_preemptions = 0
         self._fresh(num_groups, recurrent, windowed)
+        # recurrent groups: the newest decode checkpoint (kept across a preemption)
+        self.rolling: list[Checkpoint | None] | tuple[None, ...] = (
+            [None] * num_groups if recurrent else _NONES[num_groups])
 
     def _fresh(self, n: int, recurrent: bool, windowed: bool) -> None:
         """Nothing computed, no blocks. Without recurrent (windowed) groups the per-group
@@ -83,12 +86,10 @@ class RequestState:
         self.next_event = 0  # the first commit works out the real one
         if recurrent:
             self.saves: list[list[Save]] | tuple[tuple[()], ...] = [[] for _ in range(n)]
-            # checkpoint positions chosen at lookup; newest decode checkpoint
+            # recurrent groups: checkpoint positions chosen at lookup
             self.marks: list[list[int]] | tuple[tuple[()], ...] = [[] for _ in range(n)]
-            self.rolling: list[Checkpoint | None] | tuple[None, ...] = [None] * n
         else:
             self.saves = self.marks = _EMPTIES[n]
-            self.rolling = _NONES[n]
 
     def reset(self) -> None:
         """Back to "nothing computed" (preemption): tokens and hashes stay for recompute."""
