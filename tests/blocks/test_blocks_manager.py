@@ -325,6 +325,53 @@ def test_preempted_request_hits_its_own_cached_blocks_on_readmission():
     assert m.allocate("a", n - 12)
 
 
+def test_state_only_recurrent_and_window_groups_write_is_shared_only_without_them():
+    # full attention only: saves/marks/rolling/first_live are one immutable tuple for all
+    m = make(full_only(num_blocks=64))
+    prefill(m, "a", tokens(10))
+    prefill(m, "b", tokens(10, 100))
+    a, b = m.requests["a"], m.requests["b"]
+    assert type(a.saves) is tuple and a.saves is b.saves and a.first_live is b.first_live
+    m.preempt("a")  # reset keeps the shared form
+    assert a.saves is b.saves and a.rolling is b.rolling
+    # recurrent + window groups: every request owns lists those groups write, also after
+    # a preemption, and a preempted request still saves and restores checkpoints
+    m = make(kimi_dspark_like(checkpoint_every=2))
+    prefill(m, "a", tokens(20))
+    prefill(m, "b", tokens(20, 100))
+    a, b = m.requests["a"], m.requests["b"]
+    assert type(a.saves) is list and a.saves is not b.saves and a.marks is not b.marks
+    m.preempt("b")
+    assert type(b.saves) is list and type(b.rolling) is list and b.saves is not a.saves
+    assert m.find_cached_prefix("b") == 16  # its own checkpoint at 16 survived
+    assert m.allocate("b", m.num_tokens("b") - 16)
+    m = make(gpt_oss_like(window=8))
+    prefill(m, "a", tokens(12))
+    prefill(m, "b", tokens(12, 100))
+    assert type(m.requests["a"].first_live) is list
+    assert m.requests["a"].first_live is not m.requests["b"].first_live
+
+
+def test_a_preempted_request_keeps_one_rolling_decode_checkpoint():
+    # the newest decode checkpoint survives a preemption, so the next one replaces it (and
+    # drops it from the cache) instead of leaving two for one request
+    m = make(kimi_dspark_like())
+    prefill(m, "a", tokens(20))
+    decode(m, "a", range(40))
+    old = m.requests["a"].rolling[1]
+    pool = m.managers[1].pool
+    assert old is not None and pool.block_hash[old.slot] == old.key
+    m.preempt("a")
+    assert m.requests["a"].rolling[1] == old
+    hit = m.find_cached_prefix("a")
+    assert hit == 60  # restored from that checkpoint
+    assert m.allocate("a", m.num_tokens("a") - hit)
+    m.commit("a", m.num_tokens("a") - hit, [7])
+    decode(m, "a", range(40))
+    new = m.requests["a"].rolling[1]
+    assert new != old and pool.block_hash[old.slot] != old.key
+
+
 # --- cross, shared pools, events, metrics -------------------------------------------------
 
 def test_cross_group_holds_fixed_blocks_and_never_limits_hits():

@@ -137,7 +137,7 @@ class GroupManager:
         mine = req.unwritten[self.index]
         if mine:
             self.unwritten.difference_update(mine)
-            req.unwritten[self.index] = []
+            req.unwritten[self.index] = ()
 
     def drop_unwritten(self, req: RequestState) -> None:
         """The request leaves before the commit of the step that was to write the blocks
@@ -147,7 +147,7 @@ class GroupManager:
         mine = req.unwritten[self.index]
         if mine:
             self.unwritten.difference_update(mine)
-            req.unwritten[self.index] = []
+            req.unwritten[self.index] = ()
             ref = self.pool.ref
             for b in mine:
                 if ref[b] == 0:
@@ -203,7 +203,11 @@ class GroupManager:
             if stored and unwritten:
                 fresh = [table[j] for j in stored]
                 self.unwritten.update(fresh)
-                req.unwritten[i] += fresh
+                mine = req.unwritten[i]
+                if mine:
+                    mine += fresh  # type: ignore[operator]
+                else:  # () until now
+                    req.unwritten[i] = fresh
             if stored and self.events.enabled:
                 first = stored[0]
                 self.events.emit("stored", gid, tuple(hashes[j] for j in stored),

@@ -125,8 +125,8 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
             chunk_key = h + buf[off:stop_off]
             known_chunk = chunks.get(chunk_key)
             if known_chunk is not None:
-                h = known_chunk[0]
-                out += known_chunk[1]
+                h = known_chunk[-1].to_bytes(32, "little")  # the run's last digest
+                out += known_chunk
                 off = stop_off
                 continue
         else:
@@ -138,8 +138,8 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
             known = get_link(link)
             if known is None:
                 break
-            h = known[0]
-            append(known[1])
+            h = known
+            append(from_bytes(h, "little"))
             o += step
         if o < stop_off:  # the first new link is memoised (a prefix that ends inside a
             # run finds it next time); the rest of the chain hangs on a new digest
@@ -147,30 +147,31 @@ def _extend_sha256(tokens: Sequence[int], start: int, stop: int, bs: int, parent
             h = sha256(link).digest()
             if len(links) >= _SHA_MEMO_MAX:
                 links.clear()
-            links[link] = known = (h, from_bytes(h, "little"))
-            append(known[1])
+            links[link] = h
+            append(from_bytes(h, "little"))
             for rest in range(o + step, stop_off, step):
                 h = sha256(h + buf[rest:rest + step]).digest()
                 append(from_bytes(h, "little"))
         if chunk_key is not None:
             if len(chunks) >= _SHA_CHUNKS_MAX:
                 chunks.clear()
-            chunks[chunk_key] = (h, tuple(out[first:]))
+            chunks[chunk_key] = tuple(out[first:])
         off = stop_off
 
 
 # Recent chain links of ``sha256``: the exact input (parent digest + block bytes) -> its
-# digest; and runs of ``_SHA_CHUNK`` links: parent digest + the run's bytes -> the last
-# digest and every link's key. A prefix many requests share (a system prompt) is then
-# hashed once, not once per request, and looked up in a few steps; the dicts compare
-# whole inputs, so this is SHA-256 exactly (no new collisions), and the parent digest
-# carries the secret and salts. Bounded: each is cleared when full (at most ~16 MiB of
-# links at blocks of 16 tokens, ~6 MiB of runs). A run and a link of another block size
-# can have inputs of one length: they live in separate dicts.
-_SHA_MEMO: dict[bytes, tuple[bytes, int]] = {}
+# digest; and runs of ``_SHA_CHUNK`` links: parent digest + the run's bytes -> every link's
+# key (the last key's 32 bytes are the run's last digest). Bytes and one tuple of ints per
+# entry: the fewest objects for the cyclic GC to count. A prefix many requests share (a
+# system prompt) is then hashed once, not once per request, and looked up in a few steps;
+# the dicts compare whole inputs, so this is SHA-256 exactly (no new collisions), and the
+# parent digest carries the secret and salts. Bounded: each is cleared when full (at most
+# ~16 MiB of links at blocks of 16 tokens, ~6 MiB of runs). A run and a link of another
+# block size can have inputs of one length: they live in separate dicts.
+_SHA_MEMO: dict[bytes, bytes] = {}
 _SHA_MEMO_MAX = 1 << 16
 _SHA_CHUNK = 8
-_SHA_CHUNKS: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}
+_SHA_CHUNKS: dict[bytes, tuple[int, ...]] = {}
 _SHA_CHUNKS_MAX = 1 << 13
 
 

@@ -320,7 +320,8 @@ class KVCacheManager:
                     raise InvalidArgumentError(f"bad multimodal span [{a}, {b})")
         root = root_hash(tuple(extra_keys), self.hash_secret) if extra_keys else self._root
         req = RequestState(request_id, list(prompt_tokens), root, spans, len(self.managers),
-                           max_new_tokens)
+                           max_new_tokens, recurrent=bool(self._recurrent_managers),
+                           windowed=bool(self._window_managers))
         self.prefix.hash_full_blocks(req)  # once per prompt; later blocks as they fill
         self._reqs[request_id] = req
 
@@ -363,10 +364,12 @@ class KVCacheManager:
         reqs = self._reqs
         k = num_new_tokens + num_lookahead
         for i, rid in enumerate(request_ids):
-            req = reqs.get(rid)
-            if req is not None and req.num_computed + k <= req.fast_limit:
-                continue
-            if not self._allocate_slow(self._req(rid), num_new_tokens, num_lookahead):
+            try:
+                req = reqs[rid]  # a subscript: cheaper than dict.get on every request
+            except KeyError:
+                req = self._req(rid)  # raises, naming it
+            if (req.num_computed + k > req.fast_limit
+                    and not self._allocate_slow(req, num_new_tokens, num_lookahead)):
                 return i
         return len(request_ids)
 
@@ -714,9 +717,10 @@ class KVCacheManager:
                 f"{len(request_ids)} requests but {len(new_tokens)} sampled tokens")
         reqs = self._reqs
         for rid, tok in zip(request_ids, new_tokens):
-            req = reqs.get(rid)
-            if req is None:
-                req = self._req(rid)
+            try:
+                req = reqs[rid]
+            except KeyError:
+                req = self._req(rid)  # raises, naming it
             c = req.num_computed + 1
             if c > req.slot_limit:
                 self.commit(rid, 1, (tok,))  # raises with the details

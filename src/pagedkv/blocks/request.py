@@ -52,44 +52,62 @@ class RequestState:
 
     def __init__(self, request_id: object, tokens: list[int], root: int,
                  mm_spans: tuple[tuple[int, int, int], ...], num_groups: int,
-                 max_new_tokens: int | None) -> None:
+                 max_new_tokens: int | None, *, recurrent: bool = True,
+                 windowed: bool = True) -> None:
         self.id = request_id
         self.tokens = tokens
         self.num_prompt = len(tokens)
         self.max_new_tokens = max_new_tokens
-        self.num_computed = 0
         self.root = root
         self.mm_spans = mm_spans
         self.hashes: dict[int, list[int]] = {}
-        self.tables: list[list[BlockId]] = [[] for _ in range(num_groups)]  # by GroupIndex
-        self.ncached = [0] * num_groups
-        self.unwritten: list[list[BlockId]] = [[] for _ in range(num_groups)]
-        self.first_live = [0] * num_groups
-        self.copy_src: list[BlockId | None] = [None] * num_groups
+        self.num_preemptions = 0
+        self._fresh(num_groups, recurrent, windowed)
+        # recurrent groups: the newest decode checkpoint (kept across a preemption)
+        self.rolling: list[Checkpoint | None] | tuple[None, ...] = (
+            [None] * num_groups if recurrent else _NONES[num_groups])
+
+    def _fresh(self, n: int, recurrent: bool, windowed: bool) -> None:
+        """Nothing computed, no blocks. Without recurrent (windowed) groups the per-group
+        state only those groups write is one shared tuple of empty values: every request
+        allocates fewer containers for the cyclic GC to track and scan."""
+        self.num_computed = 0
+        self.tables: list[list[BlockId]] = [[] for _ in range(n)]  # by GroupIndex
+        self.ncached = [0] * n
+        # () until a group caches blocks at allocation (most groups of most requests never
+        # hold one past their first commit): no list to allocate and track until then
+        self.unwritten: list[list[BlockId] | tuple[()]] = [()] * n
+        self.first_live: list[int] | tuple[int, ...] = [0] * n if windowed else _ZEROS[n]
+        self.copy_src: list[BlockId | None] = [None] * n
         self.pending: PendingHit | None = None
         self.slot_limit = 0
         self.fast_limit = 0
         self.last_block_start = -1
         self.next_event = 0  # the first commit works out the real one
-        self.num_preemptions = 0
-        self.saves: list[list[Save]] = [[] for _ in range(num_groups)]
-        # recurrent groups: checkpoint positions chosen at lookup; newest decode checkpoint
-        self.marks: list[list[int]] = [[] for _ in range(num_groups)]
-        self.rolling: list[Checkpoint | None] = [None] * num_groups
+        if recurrent:
+            self.saves: list[list[Save]] | tuple[tuple[()], ...] = [[] for _ in range(n)]
+            # recurrent groups: checkpoint positions chosen at lookup
+            self.marks: list[list[int]] | tuple[tuple[()], ...] = [[] for _ in range(n)]
+        else:
+            self.saves = self.marks = _EMPTIES[n]
 
     def reset(self) -> None:
         """Back to "nothing computed" (preemption): tokens and hashes stay for recompute."""
-        n = len(self.tables)
-        self.num_computed = 0
-        self.tables = [[] for _ in range(n)]
-        self.ncached = [0] * n
-        self.unwritten = [[] for _ in range(n)]
-        self.first_live = [0] * n
-        self.copy_src = [None] * n
-        self.pending = None
-        self.slot_limit = 0
-        self.fast_limit = 0
-        self.last_block_start = -1
-        self.next_event = 0  # the first commit works out the real one
-        self.saves = [[] for _ in range(n)]
-        self.marks = [[] for _ in range(n)]
+        self._fresh(len(self.tables), type(self.saves) is list, type(self.first_live) is list)
+
+
+class _Shared(dict):
+    """n -> an immutable per-group value shared by every request (built on first use)."""
+
+    def __init__(self, item: object) -> None:
+        super().__init__()
+        self.item = item
+
+    def __missing__(self, n: int) -> tuple:
+        self[n] = value = (self.item,) * n
+        return value
+
+
+_ZEROS = _Shared(0)
+_EMPTIES = _Shared(())
+_NONES = _Shared(None)
