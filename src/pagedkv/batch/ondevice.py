@@ -203,11 +203,13 @@ class _Launch:
     hooks (``triton.knobs.runtime.launch_enter_hook``) are not called on it."""
 
     def __init__(self, delta: torch.Tensor, buf: torch.Tensor, batch: int, groups: int) -> None:
+        import triton
+
         from pagedkv.batch.derive_kernel import derive_decode_kernel
 
         self.kernel = derive_decode_kernel
         self.args = (delta, buf.view(torch.int32), buf[: buf.numel() // 8 * 8].view(torch.int64))
-        block_b = max(triton_next_pow2(batch), _ROWS)
+        block_b = max(triton.next_power_of_2(batch), _ROWS)
         self.consts = {"BLOCK_B": block_b, "ROWS": _ROWS, "BLOCK_W": _BLOCK_W}
         self.grid = (groups, -(-batch // _ROWS))
         self.direct = None
@@ -240,7 +242,3 @@ def _direct(compiled, grid, args, consts):
     def launch(stream: int) -> None:
         run(g0, g1, 1, stream, function, packed, None, None, None, *values)
     return launch
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()

@@ -12,10 +12,11 @@ captured for a bucket replays correctly with changed block tables, lengths and s
 ``paged_kv_indices`` keeps its true length (nnz) as a prefix of a fixed-capacity region:
 kernels that take it are not captured at a fixed shape.
 
-``derive_on_device`` (default: on for CUDA devices): a steady decode step (the previous step's rows in the same order,
-its shape, every row one new token and no draft, no block-table entry rewritten since, each
-row at most one block more) sends a small delta instead and one kernel derives the step's
-arrays in the same device buffer (:mod:`.ondevice`); any other step takes the full path.
+``derive_on_device`` (default: on for CUDA devices): a steady decode step (the previous
+step's rows in the same order, its shape, every row one new token and no draft, no
+block-table entry rewritten since, each row at most one block more) sends a small delta
+instead and one kernel derives the step's arrays in the same device buffer
+(:mod:`.ondevice`); any other step takes the full path.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class PersistentMetadata(MetadataBuilder):
             short = count[0] >= lens if not k else count[0] > lens
             if _any(short) or int(_max((lens - old).view(np.uint64))) > 1:
                 return None
-            plans.append((self.max_blocks, seq, count[1], None, lens))
+            plans.append((seq, count[1], lens))  # per group: seq_lens, nnz, block counts
             held_now.append((edits, lens))
 
         delta, at = self._delta.host(entry, n, self._head)  # type: ignore[union-attr]
@@ -183,13 +184,12 @@ class PersistentMetadata(MetadataBuilder):
         delta[at : at + n] = computed
         at += batch
         nnz = []
-        for table, plan in zip(self._tables.values(), plans, strict=True):
-            lens = plan[4]
+        for table, (_, group_nnz, lens) in zip(self._tables.values(), plans, strict=True):
             delta[at : at + n] = lens
             ids_at = at + batch  # each row's last block: (an empty row's is never stored)
             table.ids.take(self._last_entries(table, rows) + lens, None,
                            delta[ids_at : ids_at + n], "clip")
-            nnz.append(plan[2])
+            nnz.append(group_nnz)
             at = ids_at + batch
         self._delta.send(at)  # type: ignore[union-attr]
         self._delta.derive(self._buffers.device_buffer, batch, len(plans))  # type: ignore[union-attr]
@@ -212,11 +212,11 @@ class PersistentMetadata(MetadataBuilder):
                 for g, dev in zip(self.groups, views, strict=True)])
         out = {}
         lengths: dict[int, dict] = {}
-        for group, (_, k), plan, merged, page_list in zip(self.groups, self._geometry, plans,
-                                                          fixed[2], page_lists, strict=True):
+        for group, (_, k), (seq, _, _), merged, page_list in zip(
+                self.groups, self._geometry, plans, fixed[2], page_lists, strict=True):
             host = lengths.get(k)
             if host is None:
-                host = lengths[k] = {"seq_lens_host": tuple(plan[1].tolist()),
+                host = lengths[k] = {"seq_lens_host": tuple(seq.tolist()),
                                      "max_seq_len_host": max(longest + 1 - k, 0)}
             meta = object.__new__(GroupMetadata)
             fields = meta.__dict__
