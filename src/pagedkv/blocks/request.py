@@ -48,7 +48,7 @@ class RequestState:
     __slots__ = ("id", "tokens", "num_prompt", "max_new_tokens", "num_computed", "root",
                  "mm_spans", "hashes", "tables", "ncached", "unwritten", "first_live", "copy_src",
                  "pending", "slot_limit", "fast_limit", "last_block_start", "next_event",
-                 "num_preemptions", "saves", "marks", "rolling")
+                 "num_preemptions", "saves", "marks", "rolling", "_groups")
 
     def __init__(self, request_id: object, tokens: list[int], root: int,
                  mm_spans: tuple[tuple[int, int, int], ...], num_groups: int,
@@ -62,6 +62,7 @@ class RequestState:
         self.mm_spans = mm_spans
         self.hashes: dict[int, list[int]] = {}
         self.num_preemptions = 0
+        self._groups = (num_groups, recurrent, windowed)  # what _fresh builds, for reset
         self._fresh(num_groups, recurrent, windowed)
         # recurrent groups: the newest decode checkpoint (kept across a preemption)
         self.rolling: list[Checkpoint | None] | tuple[None, ...] = (
@@ -93,7 +94,7 @@ class RequestState:
 
     def reset(self) -> None:
         """Back to "nothing computed" (preemption): tokens and hashes stay for recompute."""
-        self._fresh(len(self.tables), type(self.saves) is list, type(self.first_live) is list)
+        self._fresh(*self._groups)
 
 
 class _Shared(dict):
