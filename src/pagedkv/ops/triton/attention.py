@@ -158,7 +158,7 @@ def _plan_key(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, mask,
     return (
         q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
         k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
-        (k_cache.data_ptr() | v_cache.data_ptr()) & 3, query_start_loc.dtype,
+        (k_cache.data_ptr() | v_cache.data_ptr()) & 3, query_start_loc.shape, query_start_loc.dtype,
         query_start_loc.device, seq_lens.shape, seq_lens.dtype, seq_lens.device,
         block_table.stride(), block_table.dtype, block_table.device, mask, scale, soft_cap,
         None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
