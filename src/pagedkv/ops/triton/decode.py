@@ -18,6 +18,10 @@ launch overrides, measured on the H200 and left off by default (docs/kernels.md)
 finishes last merges the partial states through an arrival counter, no combine launch),
 ``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles),
 ``widen`` (fp8 tiles loaded as 32-bit words and widened to fp16 before shared memory).
+
+Host side: ``decode_plan`` makes every launch decision from shapes, dtypes, strides and
+options into a ``DecodePlan``, which ``attention.paged_attention`` keeps per key so an eager
+call of a known shape costs an output allocation and a direct launch (``pagedkv.launch``).
 """
 
 from __future__ import annotations
