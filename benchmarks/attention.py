@@ -12,8 +12,9 @@ is each output's relative Frobenius distance to pagedkv's triton output for that
 
 Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md] [--graphs]
 (pagedkv's rows, and the GQA peers, also timed as CUDA-graph replays: no host launch path)
-GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers]; the GQA
-part ends with the issue's GQA targets computed from the same run, per timing mode.
+GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers]
+[--gqa-shapes BxCTX[xPAGE],...] (only these bf16 q1 decode shapes, default config and peers:
+no sweep, no compared variants); the GQA part ends with the issue's GQA targets computed from the same run, per timing mode.
 """
 
 from __future__ import annotations
@@ -524,6 +525,8 @@ def main(argv=None) -> int:
                              "host launch path; MLA rows also print one eager call's host time")
     parser.add_argument("--no-draft-peers", action="store_true",
                         help="GQA: time no peers on the 7-token shapes")
+    parser.add_argument("--gqa-shapes", help="GQA: only these bf16 q1 decode shapes, e.g. "
+                        "64x1024,256x1024,64x4096x64 (batch x context [x page]), with peers")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("pagedkv: error: benchmarks/attention.py needs a CUDA device", file=sys.stderr)
@@ -537,7 +540,12 @@ def main(argv=None) -> int:
     print(f"# device copy {COPY_GBS[0]:.0f} GB/s (read + write)")
     print("%-30s %-34s %9s %8s %7s %6s %7s %8s" % ("case", "kernel", "us", "KV MB", "GB/s", "%copy",
                                                  "TF/s", "relerr"))
-    if args.only != "mla":
+    if args.gqa_shapes and args.only != "mla":
+        GQA_COMPARE["gqa"] = []
+        for spec in args.gqa_shapes.split(","):
+            b, c, *p = (int(x) for x in spec.split("x"))
+            gqa_case(b, c, 1, True, page=p[0] if p else 16)
+    elif args.only != "mla":
         if args.sweep == "small":
             gqa_sweep(64, 4096, small=True)
             gqa_sweep(64, 4096, q_len=7, small=True)

@@ -21,6 +21,7 @@ RANKS: list[set[str]] = [
     {"engine"},
     {"modeling"},
     {"ops", "batch", "memory"},
+    {"launch"},  # the Triton direct launch that ops' and batch's kernels share
     {"blocks"},
     {"plan"},
     {"models"},

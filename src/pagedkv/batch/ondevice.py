@@ -31,12 +31,12 @@ import torch
 from pagedkv.batch.buffers import Layout
 from pagedkv.batch.derived import prefix_masks
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.launch import Launch, raw_stream
 
 HEADER = 4  # n, batch, groups, unused
 DESC = 10  # per group: bt, seq, indptr, last, pages, slot, pos, width, block size, offset
 _ROWS = 64  # rows per program
 _BLOCK_W = 32  # block-table columns per iteration
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def delta_ints(batch: int, groups: int) -> int:
@@ -186,59 +186,30 @@ class DeltaBuffers:
 
     def _current_stream(self) -> torch.cuda.Stream:
         index = self.index
-        if _raw_stream is None:
+        if raw_stream is None:
             return torch.cuda.current_stream(index)
-        raw = _raw_stream(index)
+        raw = raw_stream(index)
         if self._stream is None or self._stream[0] != raw:
             self._stream = (raw, torch.cuda.current_stream(index))
         return self._stream[1]
 
 
 class _Launch:
-    """One shape's kernel launch. After the first (compiling) launch through Triton's
-    ``kernel[grid](...)``, CUDA launches call the compiled kernel's launcher directly with
-    the shape's fixed raw pointers, skipping Triton's per-call argument binding,
-    specialisation and cache lookup (Python work of every launch; its host time on CUDA is
-    the benchmark's ``derive call`` row). ``PAGEDKV_TRITON_DIRECT=0`` turns it off. Launch
-    hooks (``triton.knobs.runtime.launch_enter_hook``) are not called on it."""
+    """One shape's kernel launch with the shape's fixed buffers, through
+    ``pagedkv.launch.Launch``: after the first (compiling) launch, CUDA launches call the
+    compiled kernel's launcher directly, skipping Triton's per-call argument binding,
+    specialisation and cache lookup (its host time on CUDA is the benchmark's ``derive
+    call`` row). ``PAGEDKV_TRITON_DIRECT=0`` turns it off."""
 
     def __init__(self, delta: torch.Tensor, buf: torch.Tensor, batch: int, groups: int) -> None:
         import triton
 
         from pagedkv.batch.derive_kernel import derive_decode_kernel
 
-        self.kernel = derive_decode_kernel
         self.args = (delta, buf.view(torch.int32), buf[: buf.numel() // 8 * 8].view(torch.int64))
         block_b = max(triton.next_power_of_2(batch), _ROWS)
-        self.consts = {"BLOCK_B": block_b, "ROWS": _ROWS, "BLOCK_W": _BLOCK_W}
-        self.grid = (groups, -(-batch // _ROWS))
-        self.direct = None
-        self.cuda = buf.device.type == "cuda"
-        self.index = buf.device.index
+        self.launch = Launch(derive_decode_kernel, (groups, -(-batch // _ROWS)), (),
+                             {"BLOCK_B": block_b, "ROWS": _ROWS, "BLOCK_W": _BLOCK_W})
 
     def __call__(self) -> None:
-        if self.direct is not None:
-            self.direct(_raw_stream(self.index))
-            return
-        compiled = self.kernel[self.grid](*self.args, **self.consts)
-        # (the direct call launches in the current device's context: only where that is the
-        # buffer's device, as it is for an engine that sets its device once)
-        if (self.cuda and _raw_stream is not None and torch.cuda.current_device() == self.index
-                and os.environ.get("PAGEDKV_TRITON_DIRECT", "1") != "0"):
-            self.direct = _direct(compiled, self.grid, self.args, self.consts)
-
-
-def _direct(compiled, grid, args, consts):
-    """A call of the compiled kernel's launcher with this shape's fixed arguments, or None
-    where this Triton does not expose it."""
-    run = getattr(compiled, "run", None)
-    function = getattr(compiled, "function", None)
-    packed = getattr(compiled, "packed_metadata", None)
-    if run is None or function is None or packed is None:
-        return None
-    values = tuple(a.data_ptr() for a in args) + tuple(consts.values())
-    g0, g1 = grid
-
-    def launch(stream: int) -> None:
-        run(g0, g1, 1, stream, function, packed, None, None, None, *values)
-    return launch
+        self.launch(*self.args)

@@ -32,7 +32,7 @@ from pagedkv.ops.triton.common import (
     raise_on_bad_block,
     scale_vector,
 )
-from pagedkv.ops.triton.decode import DECODE_ROWS, launch_decode
+from pagedkv.ops.triton.decode import DECODE_ROWS, DecodePlan, decode_plan, seq_len_key
 from pagedkv.ops.triton.rows import row_extents, soft_cap_scores, split_range
 
 
@@ -146,6 +146,31 @@ def host_extents(query_start_loc, seq_lens, block_table, rows, block_size, mask:
     return max_q, max_s
 
 
+_PLANS: dict[tuple, DecodePlan] = {}
+_MAX_PLANS = 256  # (one per batch size and shape an engine runs eagerly; cleared when full)
+
+
+def _plan_key(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, mask, scale,
+              soft_cap, sinks, k_scale, v_scale, out_dtype, max_query_len, max_seq_len,
+              options) -> tuple:
+    """Everything a decode call's validation and launch depend on, values of tensors aside:
+    equal keys may share one checked ``DecodePlan``."""
+    return (
+        q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+        k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+        (k_cache.data_ptr() | v_cache.data_ptr()) & 3, query_start_loc.shape, query_start_loc.dtype,
+        query_start_loc.device, seq_lens.shape, seq_lens.dtype, seq_lens.device,
+        block_table.stride(), block_table.dtype, block_table.device, mask, scale, soft_cap,
+        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
+        _scale_key(k_scale), _scale_key(v_scale), out_dtype, max_query_len,
+        seq_len_key(max_seq_len), interpreting(), options,
+    )
+
+
+def _scale_key(s):
+    return (s.shape, s.dtype, s.device) if isinstance(s, torch.Tensor) else s
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -183,6 +208,10 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` bound the batch; given both, the call makes no host
     read and no host sync (an engine's decode step, CUDA-graph capture): the batch is then
     not validated, and keys behind block ids outside the cache are skipped but not reported.
+    Such decode calls keep their launch plan (``DecodePlan``), keyed by every shape, dtype,
+    stride, device and option it depends on: a later call with the same key skips the
+    argument checks and launch decisions and launches through the compiled kernel's launcher
+    (``pagedkv.launch``), so its host time is a fraction of the first's.
     ``splits``, ``block_n``, ``num_warps`` and ``num_stages`` override the launch
     configuration, ``maxnreg`` caps registers per thread on the decode path, ``swap`` (keys
     on the MMA's M side) and ``fused`` (the last split merges, no combine launch) pick decode
@@ -192,6 +221,22 @@ def paged_attention(
     widened to fp16 in registers before shared memory.
     """
     del compute_dtype  # the kernel accumulates in float32
+    options = (splits, block_n, num_warps, num_stages, maxnreg, swap, fused, heads_first,
+               block_m, page_tiles, widen)
+    key = None
+    if max_query_len is not None and max_seq_len is not None:  # an engine's step: plans kept
+        key = _plan_key(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, mask, scale,
+                        soft_cap, sinks, k_scale, v_scale, out_dtype, max_query_len, max_seq_len,
+                        options)
+        plan = _PLANS.get(key)
+        if plan is not None:  # these arguments' shapes passed every check below before
+            out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1],
+                              dtype=out_dtype or q.dtype, device=q.device)
+            plan(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache, query_start_loc,
+                 seq_lens, block_table if block_table.stride(-1) == 1 else block_table.contiguous(),
+                 out, None, sinks, 1.0 if k_scale is None else k_scale,
+                 1.0 if v_scale is None else v_scale)
+            return out
     check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
     check_device(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
     ks = _scale_pair(k_cache, k_scale, "k_scale")
@@ -221,13 +266,18 @@ def paged_attention(
     # the host reads the bad-block flag back only when it validates the batch anyway
     flag = torch.zeros(2, dtype=torch.int32, device=q.device) if check else None
     if max(1, max_query_len) * group <= DECODE_ROWS:
-        launch_decode(qc, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
-                      mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=ks,
-                      v_scale=vs, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                      f32=f32, splits=splits, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, maxnreg=maxnreg, swap=swap, fused=fused,
-                      heads_first=heads_first, block_m=block_m, page_tiles=page_tiles,
-                      widen=widen)
+        plan = decode_plan(qc, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
+                           mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=ks,
+                           v_scale=vs, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                           f32=f32, splits=splits, block_n=block_n, num_warps=num_warps,
+                           num_stages=num_stages, maxnreg=maxnreg, swap=swap, fused=fused,
+                           heads_first=heads_first, block_m=block_m, page_tiles=page_tiles,
+                           widen=widen)
+        if key is not None and plan.cacheable:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+        plan(qc, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, sinks, ks, vs)
         if check:
             raise_on_bad_block(flag, num_blocks)
         return out

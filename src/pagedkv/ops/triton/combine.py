@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.ops.triton.common import interpreting, next_pow2
+from pagedkv.launch import Launch, raw_stream
+from pagedkv.ops.triton.common import capturing, interpreting, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -53,8 +54,27 @@ def _combine(
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=(e < rows * heads)[:, None] & (d < DV)[None, :])
 
 
-def workspace(rows: int, heads: int, splits: int, dv: int, device) -> tuple[torch.Tensor, ...]:
-    """Partial (o, m, l) per (row, head, split); every slot a row owns is written by a program."""
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, ...]] = {}
+_MAX_WORKSPACES = 16
+
+
+def workspace(rows: int, heads: int, splits: int, dv: int, device, reuse: bool = False
+              ) -> tuple[torch.Tensor, ...]:
+    """Partial (o, m, l) per (row, head, split); every slot a row owns is written by a program.
+
+    ``reuse``: one workspace per (device, stream, shape), kept between calls (three fewer
+    allocations per call). Safe because every reader and writer of it is a launch on that
+    stream, in order; never inside CUDA-graph capture (the graph gets its own, from its pool,
+    so no eager call can overwrite what a replay reads)."""
+    if reuse and not capturing():
+        stream = raw_stream(device.index) if device.type == "cuda" else 0
+        key = (device.type, device.index, stream, rows, heads, splits, dv)
+        ws = _WORKSPACES.get(key)
+        if ws is None:
+            if len(_WORKSPACES) >= _MAX_WORKSPACES:
+                _WORKSPACES.clear()  # (a freed block is reused in its own stream's order)
+            ws = _WORKSPACES[key] = workspace(rows, heads, splits, dv, device)
+        return ws
     return (
         torch.empty(rows, heads, splits, dv, dtype=torch.float32, device=device),
         torch.empty(rows, heads, splits, dtype=torch.float32, device=device),
@@ -62,17 +82,23 @@ def workspace(rows: int, heads: int, splits: int, dv: int, device) -> tuple[torc
     )
 
 
-def combine(ws, out: torch.Tensor, query_start_loc: torch.Tensor, sinks: torch.Tensor | None) -> None:
-    ws_o, ws_m, ws_l = ws
-    rows, heads, splits, dv = ws_o.shape
-    if rows == 0:
-        return
+def combine_launch(ws_shape, out: torch.Tensor, query_start_loc: torch.Tensor,
+                   sinks: torch.Tensor | None, direct: bool = True) -> Launch:
+    """The combine's launch for this workspace shape, output layout and batch; called with
+    ``(ws_o, ws_m, ws_l, out, query_start_loc, sinks or ws_m)``."""
+    rows, heads, splits, dv = ws_shape
     block_s, block_dv = max(2, next_pow2(splits)), max(16, next_pow2(dv))
     pairs = rows * heads
     block_e = next_pow2(pairs) if interpreting() else max(1, min(64, 8192 // (block_s * block_dv)))
-    _combine[(-(-pairs // block_e),)](
-        ws_o, ws_m, ws_l, out, query_start_loc, sinks if sinks is not None else ws_m,
-        out.stride(0), out.stride(1), query_start_loc.shape[0] - 1, rows, heads, dv,
-        NUM_SPLITS=splits, BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_DV=block_dv,
-        HAS_SINKS=sinks is not None, num_warps=4,
-    )
+    return Launch(_combine, (-(-pairs // block_e),),
+                  (out.stride(0), out.stride(1), query_start_loc.shape[0] - 1, rows, heads, dv),
+                  dict(NUM_SPLITS=splits, BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_DV=block_dv,
+                       HAS_SINKS=sinks is not None, num_warps=4), direct)
+
+
+def combine(ws, out: torch.Tensor, query_start_loc: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    ws_o, ws_m, ws_l = ws
+    if ws_o.shape[0] == 0:
+        return
+    combine_launch(ws_o.shape, out, query_start_loc, sinks, direct=False)(
+        ws_o, ws_m, ws_l, out, query_start_loc, sinks if sinks is not None else ws_m)

@@ -18,6 +18,10 @@ launch overrides, measured on the H200 and left off by default (docs/kernels.md)
 finishes last merges the partial states through an arrival counter, no combine launch),
 ``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles),
 ``widen`` (fp8 tiles loaded as 32-bit words and widened to fp16 before shared memory).
+
+Host side: ``decode_plan`` makes every launch decision from shapes, dtypes, strides and
+options into a ``DecodePlan``, which ``attention.paged_attention`` keeps per key so an eager
+call of a known shape costs an output allocation and a direct launch (``pagedkv.launch``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.launch import Launch
 from pagedkv.ops.fp8 import is_fp8
-from pagedkv.ops.triton.combine import combine, workspace
+from pagedkv.ops.triton.combine import combine_launch, workspace
 from pagedkv.ops.triton.common import capturing, interpreting, next_pow2, scale_vector
 from pagedkv.ops.triton.rows import row_extents, soft_cap_scores
 
@@ -458,29 +463,55 @@ def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
     return F32_CONFIG if f32 else (FP8_CONFIG if fp8 else BF16_CONFIG)
 
 
-def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
-                  scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
-                  splits=None, block_n=None, num_warps=None, num_stages=None,
-                  maxnreg=None, swap=None, fused=None, heads_first=None, block_m=None,
-                  page_tiles=None, widen=None) -> None:
-    """Run the decode kernel into ``out``. With several splits the last split of each
-    (sequence, KV head) merges them (``fused``, default ``FUSED_COMBINE``) or a second
-    launch does (``combine.py``). ``swap`` puts the keys on the MMA's M side;
-    ``heads_first`` launches the KV heads of one (sequence, split) next to each other;
-    ``block_m`` below the sequence's (row, head) pairs per KV head splits them into row
-    tiles, launched side by side (each reads the K/V tiles; the second one mostly from L2).
-    ``page_tiles`` reads one block id per page of the tile (one per tile when the page holds
-    it; needs the block size and ``block_n`` to divide one another), ``widen`` loads fp8
-    tiles as 32-bit words and widens them to fp16 in registers (fp8 caches with power-of-two
-    head dims and 4-byte aligned entries; ignored otherwise)."""
+def seq_len_key(max_seq_len: int) -> tuple[int, bool]:
+    """What ``decode_splits`` reads of ``max_seq_len``: a plan made for one value serves every
+    value with the same key (an engine's growing lengths do not miss the plan cache)."""
+    return min(64, max(1, max_seq_len // MIN_SPLIT_KEYS)), max_seq_len > 64
+
+
+class DecodePlan:
+    """One decode call's launch, decided from shapes, dtypes, strides, the mask, scalar
+    options and ``seq_len_key(max_seq_len)`` alone (``decode_plan``): reusable for every call
+    that agrees on those. ``cacheable`` is False for the fused combine (its counters depend
+    on the stream and on capture at call time)."""
+
+    __slots__ = ("kernel", "ws_shape", "combine", "in_memory", "counters", "cacheable", "empty")
+
+    def __init__(self, kernel, ws_shape, combine_, in_memory, counters, cacheable, empty=False):
+        self.kernel, self.ws_shape, self.combine = kernel, ws_shape, combine_
+        self.in_memory, self.counters, self.cacheable, self.empty = (
+            in_memory, counters, cacheable, empty)
+
+    def __call__(self, q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, sinks,
+                 k_scale, v_scale) -> None:
+        if self.empty:
+            out.zero_()
+            return
+        fill = seq_lens  # any tensor, for pointer arguments the variant does not read
+        scales = scale_vector((k_scale, v_scale), q.device) if self.in_memory else fill
+        ws = (out, out, out) if self.ws_shape is None else workspace(*self.ws_shape, q.device,
+                                                                      reuse=True)
+        self.kernel(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, *ws, scales,
+                    fill if sinks is None else sinks, fill if flag is None else flag,
+                    fill if self.counters is None else self.counters)
+        if self.combine is not None:
+            self.combine(*ws, out, query_start_loc, ws[1] if sinks is None else sinks)
+
+
+def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
+                scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
+                splits=None, block_n=None, num_warps=None, num_stages=None,
+                maxnreg=None, swap=None, fused=None, heads_first=None, block_m=None,
+                page_tiles=None, widen=None) -> DecodePlan:
+    """The decode launch for these arguments (``launch_decode`` says what the options do).
+    Tensor values are not read: only shapes, dtypes, strides and K/V's 4-byte alignment."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     dv = v_cache.shape[-1]
     group = heads // kv_heads
     batch = seq_lens.shape[0]
     if not (batch and rows):
-        out.zero_()
-        return
+        return DecodePlan(None, None, None, False, None, True, empty=True)
     fp8 = is_fp8(k_cache.dtype) and is_fp8(v_cache.dtype) and not f32
     pairs = max(1, max_query_len) * group  # (query row, query head) pairs per KV head
     block_m = max(16, next_pow2(pairs)) if block_m is None else max(16, next_pow2(block_m))
@@ -505,27 +536,23 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         maxnreg = PAGE_TILES_MAXNREG
     extra = {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
-    scales = scale_vector((k_scale, v_scale), q.device) if in_memory else seq_lens
     direct = splits == 1
-    counters = None
-    if not direct and (FUSED_COMBINE if fused is None else fused):
-        counters = split_counters(batch * kv_heads * row_tiles, q.device)
-    ws = (out, out, out) if direct else workspace(rows, heads, splits, dv, q.device)
+    fused = not direct and (FUSED_COMBINE if fused is None else fused)
+    counters = split_counters(batch * kv_heads * row_tiles, q.device) if fused else None
+    ws_shape = None if direct else (rows, heads, splits, dv)
     programs = batch + 1 if direct or counters is not None else batch
     if heads_first is None:  # row tiles of one (sequence, KV head) side by side: L2 reuse
         heads_first = HEADS_FIRST or row_tiles > 1
     heads_first = heads_first and programs < 65536  # grid dims 1 and 2 stop at 65535
     hr = kv_heads * row_tiles
     grid = (hr, programs, splits) if heads_first else (programs, hr, splits)
-    _paged_decode_fwd[grid](
-        q, k_cache, v_cache, query_start_loc, seq_lens, table, out, *ws, scales,
-        sinks if sinks is not None else seq_lens, flag if flag is not None else seq_lens,
-        counters if counters is not None else seq_lens,
+    kernel = Launch(_paged_decode_fwd, grid, (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         out.stride(0), out.stride(1), num_blocks, batch, rows, heads, scale,
         1.0 if in_memory else float(k_scale), 1.0 if in_memory else float(v_scale),
         soft_cap or 1.0, mask.window or 0, mask.chunk or 0, mask.draft_block or 0, splits,
+    ), dict(
         GROUP=group, PAGE=block_size, D=dim, DV=dv, DIRECT=direct, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(dim)), BLOCK_DV=max(16, next_pow2(dv)),
         CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None,
@@ -535,6 +562,30 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
         HEADS_FIRST=heads_first, ROW_TILES=row_tiles, PAGE_TILES=bool(page_tiles),
         OFF_ALIGN=_offset_align(k_cache, v_cache), WIDEN=bool(widen),
         num_warps=num_warps, num_stages=num_stages, **extra,
-    )
+    ), direct=not fused)
+    merge = None
     if not direct and counters is None:
-        combine(ws, out, query_start_loc, sinks)
+        merge = combine_launch(ws_shape, out, query_start_loc, sinks, direct=not fused)
+    return DecodePlan(kernel, ws_shape, merge, in_memory, counters, not fused)
+
+
+def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
+                  scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
+                  **options) -> None:
+    """Run the decode kernel into ``out`` (a plan made for this call alone; the Triton
+    backend's ``paged_attention`` keeps plans between calls). With several splits the last
+    split of each (sequence, KV head) merges them (``fused``, default ``FUSED_COMBINE``) or
+    a second launch does (``combine.py``). ``swap`` puts the keys on the MMA's M side;
+    ``heads_first`` launches the KV heads of one (sequence, split) next to each other;
+    ``block_m`` below the sequence's (row, head) pairs per KV head splits them into row
+    tiles, launched side by side (each reads the K/V tiles; the second one mostly from L2).
+    ``page_tiles`` reads one block id per page of the tile (one per tile when the page holds
+    it; needs the block size and ``block_n`` to divide one another), ``widen`` loads fp8
+    tiles as 32-bit words and widens them to fp16 in registers (fp8 caches with power-of-two
+    head dims and 4-byte aligned entries; ignored otherwise). Other options: ``splits``,
+    ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg``."""
+    plan = decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
+                       mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
+                       v_scale=v_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                       f32=f32, **options)
+    plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, sinks, k_scale, v_scale)
