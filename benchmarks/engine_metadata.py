@@ -14,7 +14,8 @@ of each per step, the order alternating), so a loaded machine slows them alike:
 
 Setup: an Engine over a tiny random Llama (fp32, CPU; the model never runs: the metadata
 does not depend on the cache's contents), B requests with prompts of 768-1,280 tokens,
-block size 16, ``max_running`` B, block tables ``max_model_len / 16`` wide. The prompts are
+block size 16, ``max_running`` B, block tables ``max_model_len / 16`` wide (by default
+just long enough for the run: 104 columns at 300 steps). The prompts are
 scheduled and committed without a forward, then every step is a decode step of all B
 requests (schedule, time both builds, commit one token each); the first ``--warmup`` steps
 are not timed. The persistent output is compared with ``build_metadata`` (padded alike)
@@ -24,8 +25,11 @@ Reported per batch: median host time per step (perf_counter), the 10th percentil
 steps least disturbed on a shared machine) and the ratio persistent / stateless of the
 medians; then the machine, versions and UTC time.
 
+``--breakdown``: afterwards, as many persistent steps alone, back to back: the medians of
+the build, of the builder's ``step`` and of ``append_each`` (the rest: TableSync's checks).
+
 Usage: python benchmarks/engine_metadata.py [--batches 64,256] [--steps N] [--warmup N]
-       [--max-model-len N] [--derive-on-device]
+       [--max-model-len N] [--breakdown] [--derive-on-device]
 """
 
 from __future__ import annotations
@@ -74,7 +78,39 @@ def check(meta, reqs, groups) -> None:
                 raise SystemExit(f"persistent metadata differs from build_metadata: {name}")
 
 
-def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: bool) -> dict:
+def breakdown(sched, runner, steps: int) -> dict:
+    """The persistent build alone, ``steps`` decode steps back to back (warm): medians of
+    the whole build, the builder's ``step`` and its ``append_each`` calls (the rest is
+    TableSync's per-request checks)."""
+    builder = runner.sync.builder
+    parts = {"build": [], "builder.step": [], "append_each": []}
+    step, append_each = builder.step, builder.append_each
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            parts[name][-1] += time.perf_counter() - t0
+            return out
+        return call
+
+    builder.step, builder.append_each = timed("builder.step", step), timed("append_each", append_each)
+    try:
+        for _ in range(steps):
+            plan = sched.schedule()
+            for v in parts.values():
+                v.append(0.0)
+            t0 = time.perf_counter()
+            runner.step_metadata(plan.chunks, [0] * len(plan.chunks))
+            parts["build"][-1] = time.perf_counter() - t0
+            sched.update(plan, {c.request.rid: [1] for c in plan.chunks if c.samples})
+    finally:
+        del builder.step, builder.append_each
+    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+
+
+def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: bool,
+        split: bool = False) -> dict:
     engine = make_engine(hf, batch, max_model_len, derive)
     rng = random.Random(batch)
     vocab = engine.vocab_size
@@ -106,7 +142,8 @@ def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: boo
         sampled = {c.request.rid: [1] for c in plan.chunks if c.samples}
         sched.update(plan, sampled)
     builder = runner.sync.builder
-    return {"times": times, "derived": builder.derived_steps,
+    parts = breakdown(sched, runner, steps) if split else None
+    return {"times": times, "parts": parts, "derived": builder.derived_steps,
             "width": builder.max_blocks, "added": runner.sync.added,
             "rewritten": runner.sync.rewritten}
 
@@ -127,19 +164,30 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--max-model-len", type=int, default=1600)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: 1,280 + warmup + steps + 64 (the admission steps "
+                             "decode too), rounded up to 16")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="then as many persistent steps alone, warm: where the time goes")
     parser.add_argument("--derive-on-device", action="store_true",
                         help="the persistent builder derives steady decode steps 'on the "
                              "device' (on CPU: its numpy reference, on the host)")
     args = parser.parse_args(argv)
+    if args.max_model_len is None:
+        more = args.steps if args.breakdown else 0
+        args.max_model_len = -(-(1280 + args.warmup + args.steps + more + 64) // 16) * 16
     torch.set_num_threads(1)
     hf = tiny_model("llama-3-8b")
     start = datetime.now(timezone.utc)
+    breakdowns = []
     print("| batch | stateless us (p10) | persistent us (p10) | ratio | derived steps | "
           "table width |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batches.split(",")):
-        r = run(hf, batch, args.steps, args.warmup, args.max_model_len, args.derive_on_device)
+        r = run(hf, batch, args.steps, args.warmup, args.max_model_len, args.derive_on_device,
+                args.breakdown)
+        if r["parts"]:
+            breakdowns.append((batch, r["parts"]))
         t = r["times"]
         med = {k: statistics.median(v) for k, v in t.items()}
         p10 = {k: float(np.percentile(v, 10)) for k, v in t.items()}
@@ -148,9 +196,15 @@ def main(argv=None) -> int:
               f"{med['persistent'] / med['stateless']:.3f} | {r['derived']} | {r['width']} |",
               flush=True)
     end = datetime.now(timezone.utc)
+    for batch, parts in breakdowns:
+        rest = parts["build"] - parts["builder.step"] - parts["append_each"]
+        print(f"\nbatch {batch}, persistent alone ({args.steps} steps, warm, medians): build "
+              f"{parts['build']:.0f} us = builder.step {parts['builder.step']:.0f} + "
+              f"append_each {parts['append_each']:.0f} + TableSync checks ~{rest:.0f}")
     print(f"\n{len(t['stateless'])} timed decode steps per batch after {args.warmup} untimed; "
           f"persistent output equal to build_metadata on every 10th step")
-    print(f"machine: {os.cpu_count()} cores ({cpu_model()}), load average "
+    print(f"machine: {os.cpu_count()} cores, {len(os.sched_getaffinity(0))} usable "
+          f"({cpu_model()}), load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; Python "
           f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
     print(f"UTC {start:%Y-%m-%d %H:%M:%S} - {end:%H:%M:%S}; "

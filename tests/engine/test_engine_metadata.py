@@ -208,10 +208,11 @@ class _State:
         self.first_live = [0] * len(tables)
 
 
-def test_table_sync_sees_every_kind_of_table_change(llama):
-    """Each way the block manager changes a table, made by hand on stand-in request
-    states with blocks from a shuffled pool: every step equals build_metadata of the
-    tables as they are (a change missed leaves a stale entry, and the step differs)."""
+def stand_in(llama):
+    """A TableSync over a tiny Llama's attention group fed from stand-in request states;
+    returns (sync, states, step, need, free): ``step(*(rid, computed, new, drafts))``
+    builds a step and compares it with build_metadata, ``need(rid, end)`` allocates blocks
+    for positions [0, end) from a shuffled pool ``free``."""
     import random
     from types import SimpleNamespace
 
@@ -221,23 +222,31 @@ def test_table_sync_sees_every_kind_of_table_change(llama):
 
     groups = Engine(llama, options()).runner.attn_groups
     g = groups[0]
-    bs = g.block_size
     free = list(range(1, g.num_blocks))
     random.Random(0).shuffle(free)
     states = {}
     sync = TableSync(groups, SimpleNamespace(requests=states), [g.id], device="cpu",
                      max_batch=4, max_tokens=16, max_model_len=64)
 
-    def step(*rows):  # (rid, computed, new, drafts)
+    def step(*rows):
         chunks = [Chunk(SimpleNamespace(rid=r), c, n - d, True, d) for r, c, n, d in rows]
         got = sync.build(chunks, [d for *_, d in rows])
         reqs = [ScheduledRequest(r, c, n, {g.id: states[r].tables[0]}, d) for r, c, n, d in rows]
         assert_built_as_stateless(got, reqs, groups)
 
-    def need(rid, end):  # allocate: blocks for positions [0, end)
+    def need(rid, end):
         t = states[rid].tables[0]
-        t += [free.pop() for _ in range(-(-end // bs) - len(t))]
+        t += [free.pop() for _ in range(-(-end // g.block_size) - len(t))]
 
+    return sync, states, step, need, free
+
+
+def test_table_sync_sees_every_kind_of_table_change(llama):
+    """Each way the block manager changes a table, made by hand on stand-in request
+    states with blocks from a shuffled pool: every step equals build_metadata of the
+    tables as they are (a change missed leaves a stale entry, and the step differs)."""
+    sync, states, step, need, free = stand_in(llama)
+    bs = sync.groups[0][2]
     states["a"], states["b"] = _State([[]]), _State([[]])
     need("a", 6), need("b", 3)
     step(("a", 0, 6, 0), ("b", 0, 3, 0))  # prefill chunks: added
@@ -277,3 +286,54 @@ def test_table_sync_sees_every_kind_of_table_change(llama):
     need("b", 11)
     step(("a", 0, 2, 0), ("b", 10, 1, 0))
     assert (sync.added, sync.removed) == (5, 3)
+
+
+def test_table_sync_steady_steps_see_every_change_too(llama):
+    """The same requests in the same order take a batch-wide check (no per-request
+    Python); each change it must not wave through, on such a step: a lookahead block
+    past the blocks a commit keeps (its entry must be kept for comparing), that block
+    given back and another put in its place, a new list, a window's move, and a row
+    that got shorter without a kept entry (outside the manager's contract; still seen)."""
+    sync, states, step, need, free = stand_in(llama)
+    states["a"], states["b"] = _State([[]]), _State([[]])
+    need("a", 6), need("b", 3)
+    step(("a", 0, 6, 0), ("b", 0, 3, 0))
+    need("a", 7), need("b", 4)
+    step(("a", 6, 1, 0), ("b", 3, 1, 0))
+    need("a", 8), need("b", 5)
+    step(("a", 7, 1, 0), ("b", 4, 1, 0))  # steady: b opened a block
+    assert (sync.added, sync.rewritten, sync.appended) == (2, 0, 1)
+    need("a", 8 + 3), need("b", 6)
+    step(("a", 8, 4, 3), ("b", 5, 1, 0))  # a's lookahead block is one a commit keeps (3 of 4)
+    need("a", 9 + 3 + 1), need("b", 7)
+    step(("a", 9, 4, 3), ("b", 6, 1, 0))  # positions 9..12: block 3 is past ceil(10 / 4)
+    ta = states["a"].tables[0]
+    free.insert(0, ta.pop())  # a commits 1 (10 computed): block 3 goes back...
+    need("a", 11), need("b", 8)  # ...and 10 needs only 3 blocks: a shorter row
+    step(("a", 10, 1, 0), ("b", 7, 1, 0))
+    assert sync.rewritten == 1
+    need("a", 12 + 3), need("b", 9)
+    step(("a", 11, 4, 3), ("b", 8, 1, 0))  # positions 11..14: block 3 past ceil(12 / 4)
+    free.insert(0, ta.pop())  # a commits 1 (12 computed): block 3 goes back, and the
+    need("a", 13), need("b", 10)  # decode at 12 gets another in its place: same length
+    step(("a", 12, 1, 0), ("b", 9, 1, 0))
+    assert sync.rewritten == 2
+    need("a", 14), need("b", 11)
+    step(("a", 13, 1, 0), ("b", 10, 1, 0))  # steady again
+    states["b"].tables[0] = [free.pop() for _ in states["b"].tables[0]]  # a new list
+    need("a", 15), need("b", 12)
+    step(("a", 14, 1, 0), ("b", 11, 1, 0))
+    assert sync.rewritten == 3
+    need("a", 16), need("b", 13)
+    step(("a", 15, 1, 0), ("b", 12, 1, 0))
+    ta[0] = free.pop()  # a window dropping a block (null stand-in)
+    states["a"].first_live[0] = 1
+    need("a", 17), need("b", 14)
+    step(("a", 16, 1, 0), ("b", 13, 1, 0))
+    assert sync.rewritten == 4
+    need("a", 18), need("b", 15)
+    step(("a", 17, 1, 0), ("b", 14, 1, 0))
+    del ta[-1]  # a's last block gone, nothing kept to compare it with
+    step(("a", 15, 1, 0), ("b", 15, 1, 0))
+    assert sync.rewritten == 5
+    assert (sync.added, sync.removed) == (2, 0)

@@ -23,15 +23,21 @@ PersistentMetadata` keeps a host copy of the scheduled requests' rows; each step
 
 A steady decode step (the same requests in the same order, a block opened here and there)
 so changes rows by appends only, and the builder takes its fast path (on CUDA, by
-default, the arrays derived on the device). Costs a few Python operations per request and
-group each step, instead of ``build_metadata``'s copy of every block list.
+default, the arrays derived on the device). Such a step is also checked batch-wide: when
+the requests and their order are the last step's and no request keeps entries to compare,
+a few C-level passes over the batch (each group's list objects, window starts, lengths
+no shorter and none past ``ceil((computed + 1) / block_size)``) replace the per-request
+checks; anything else there sends the step through them. Instead of ``build_metadata``'s
+copy of every block list, a step costs a few operations per request.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from operator import attrgetter, is_, itemgetter
 
+import numpy as np
 import torch
 
 from pagedkv.batch import StepMetadata
@@ -66,6 +72,11 @@ class _Sent:
         self.tails_any = any(tails)
 
 
+_lists, _lens, _lives, _tails_any = (attrgetter(a) for a in (
+    "lists", "lens", "lives", "tails_any"))
+_tables, _first_live = attrgetter("tables"), attrgetter("first_live")
+
+
 class TableSync:
     """One :class:`PersistentMetadata` over ``groups`` (the plan's attention groups),
     kept in step with ``manager``'s tables; :meth:`build` makes a step's metadata.
@@ -93,12 +104,14 @@ class TableSync:
         self._index = [(i, bs) for _, i, bs in self.groups]
         self.sent: dict[object, _Sent] = {}
         self._last_ids: tuple = ()
+        self._aligned = None  # the last step's records in batch order (see _steady)
         self.added = self.removed = self.rewritten = self.appended = 0
 
     def build(self, chunks: Sequence[Chunk], extra: Sequence[int]) -> StepMetadata:
         """The step's metadata (valid until the next :meth:`build`); ``extra[i]``: draft
         rows riding on chunk i."""
         ids = tuple([c.request.rid for c in chunks])
+        aligned = self._aligned if ids == self._last_ids else None
         if ids != self._last_ids:
             for rid in self.sent.keys() - set(ids):
                 self.drop(rid)
@@ -106,6 +119,16 @@ class TableSync:
         computed = [c.num_computed for c in chunks]
         new = [c.num_new_tokens + k for c, k in zip(chunks, extra)]
         states = self.mgr.requests
+        single = self._steady(ids, computed, states, aligned) if aligned is not None else None
+        if single is None:
+            single = self._each(ids, computed, states)
+        for j, (rids, blocks) in single.items():
+            self.builder.append_each(rids, {self.groups[j][0]: blocks})
+        return self.builder.step(ids, computed, new, extra)
+
+    def _each(self, ids, computed, states) -> dict[int, tuple[list, list]]:
+        """Every request's changes, one request at a time; what :meth:`_steady` needs for
+        the next step. Returns the single-block appends by group index."""
         get = self.sent.get
         index = self._index
         single: dict[int, tuple[list, list]] = {}  # group j -> (rids, blocks): one block
@@ -139,13 +162,61 @@ class TableSync:
                     entry[1].append(tables[index[j][0]][lens[j]])
                     lens[j] += 1
                 self.appended += 1
-        for j, (rids, blocks) in single.items():
-            self.builder.append_each(rids, {self.groups[j][0]: blocks})
-        return self.builder.step(ids, computed, new, extra)
+        self._aligned = self._align(ids)
+        return single
+
+    def _align(self, ids):
+        """The records of ``ids`` as batch-ordered lists, for :meth:`_steady` (None when a
+        record keeps entries to compare: that request needs the per-request path)."""
+        recs = list(map(self.sent.__getitem__, ids))
+        if any(map(_tails_any, recs)):
+            return None
+        per_group = []
+        for j in range(len(self.groups)):
+            at = itemgetter(j)
+            per_group.append((list(map(at, map(_lists, recs))), list(map(at, map(_lives, recs))),
+                              np.fromiter(map(at, map(_lens, recs)), np.int64, len(recs))))
+        return recs, per_group
+
+    def _steady(self, ids, computed, states, aligned):
+        """The same requests as the last step, each group's table at most one block longer
+        and nothing else changed, checked in a few C-level passes over the batch; None,
+        with nothing changed, when that is not so (the per-request path then runs)."""
+        recs, per_group = aligned
+        objs_now = list(map(states.__getitem__, ids))  # (a replaced request has new lists)
+        n = len(ids)
+        done = np.fromiter(computed, np.int64, n)
+        grown = []
+        for (i, bs), (lists, lives, lens) in zip(self._index, per_group):
+            at = itemgetter(i)
+            tables = list(map(at, map(_tables, objs_now)))
+            if (not all(map(is_, tables, lists))
+                    or list(map(at, map(_first_live, objs_now))) != lives):
+                return None
+            now = np.fromiter(map(len, tables), np.int64, n)
+            d = now - lens
+            # a row no shorter, and none past ceil((done + 1) / bs): so at most one block
+            # more, and nothing to keep for comparing (a lookahead block is)
+            if n and (int(d.min()) < 0 or bool((now > (done + bs) // bs).any())):
+                return None
+            rows = np.flatnonzero(d).tolist()
+            grown.append((rows, [tables[r][int(lens[r])] for r in rows], now))
+        single = {}
+        touched = set()
+        for j, ((rows, blocks, now), (_, _, lens)) in enumerate(zip(grown, per_group)):
+            if rows:
+                single[j] = ([ids[r] for r in rows], blocks)
+                for r in rows:
+                    recs[r].lens[j] += 1
+                touched.update(rows)
+            lens[:] = now
+        self.appended += len(touched)
+        return single
 
     def drop(self, rid) -> None:
         """The request's row leaves the builder (no-op for one it does not hold)."""
         if self.sent.pop(rid, None) is not None:
+            self._aligned = None
             self.builder.remove(rid)
             self.removed += 1
 
