@@ -75,6 +75,8 @@ class _Sent:
 _lists, _lens, _lives, _tails_any = (attrgetter(a) for a in (
     "lists", "lens", "lives", "tails_any"))
 _tables, _first_live = attrgetter("tables"), attrgetter("first_live")
+_request, _rid, _computed, _new = (attrgetter(a) for a in (
+    "request", "rid", "num_computed", "num_new_tokens"))
 
 
 class TableSync:
@@ -110,14 +112,16 @@ class TableSync:
     def build(self, chunks: Sequence[Chunk], extra: Sequence[int]) -> StepMetadata:
         """The step's metadata (valid until the next :meth:`build`); ``extra[i]``: draft
         rows riding on chunk i."""
-        ids = tuple([c.request.rid for c in chunks])
+        ids = tuple(map(_rid, map(_request, chunks)))
         aligned = self._aligned if ids == self._last_ids else None
         if ids != self._last_ids:
             for rid in self.sent.keys() - set(ids):
                 self.drop(rid)
             self._last_ids = ids
-        computed = [c.num_computed for c in chunks]
-        new = [c.num_new_tokens + k for c, k in zip(chunks, extra)]
+        computed = list(map(_computed, chunks))
+        new = list(map(_new, chunks))
+        if any(extra):
+            new = [n + k for n, k in zip(new, extra)]
         states = self.mgr.requests
         single = self._steady(ids, computed, states, aligned) if aligned is not None else None
         if single is None:
