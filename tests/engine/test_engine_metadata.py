@@ -337,3 +337,22 @@ def test_table_sync_steady_steps_see_every_change_too(llama):
     step(("a", 15, 1, 0), ("b", 15, 1, 0))
     assert sync.rewritten == 5
     assert (sync.added, sync.removed) == (2, 0)
+
+
+# (Triton's interpreter converts a one-element array to a scalar in its own code)
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+@pytest.mark.parametrize("name", ["llama-3-8b", "deepseek-v3"])
+def test_triton_kernels_read_padded_steps_alike(name):
+    """The Triton backend's GQA and MLA kernels (the interpreter on CPU) over the bucket-
+    padded persistent steps: the same tokens and logits as over the stateless steps."""
+    from pagedkv.ops import use_backend
+    from pagedkv.ops.backend import triton_available
+
+    if not triton_available():
+        pytest.skip("the Triton backend is not available here")
+    hf = tiny_model(name)
+    ps = prompts(hf.config.vocab_size, (9, 5, 3), seed=3)
+    with use_backend("triton"):
+        a, b = [run(hf, ps, options(metadata=m, max_batched_tokens=8), new=4)
+                for m in ("persistent", "stateless")]
+    same_outputs(a, b)

@@ -79,7 +79,7 @@ class ModelRunner:
         # set by engine.speculative, which restores recurrent states after a verify pass
         self.recurrent_drafts_rolled_back = False
         self.recurrent_groups = [g for g in plan.groups if g.is_recurrent]
-        self.metadata = metadata
+        self.metadata_mode = metadata
         self.sync: TableSync | None = None
         if metadata == "persistent" and self.attn_groups:
             max_len = manager.max_model_len or plan.options.max_model_len
