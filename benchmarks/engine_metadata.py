@@ -15,7 +15,8 @@ of each per step, the order alternating), so a loaded machine slows them alike:
 Setup: an Engine over a tiny random Llama (fp32, CPU; the model never runs: the metadata
 does not depend on the cache's contents), B requests with prompts of 768-1,280 tokens,
 block size 16, ``max_running`` B, block tables ``max_model_len / 16`` wide (by default
-just long enough for the run: 104 columns at 300 steps). The prompts are
+just long enough for the run: 104 columns at 300 steps, 123 with ``--breakdown``, whose
+steps come after). The prompts are
 scheduled and committed without a forward, then every step is a decode step of all B
 requests (schedule, time both builds, commit one token each); the first ``--warmup`` steps
 are not timed. The persistent output is compared with ``build_metadata`` (padded alike)
