@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.blocks import KVCacheManager
+from pagedkv.blocks import KVCacheManager, lookahead_tokens
 from pagedkv.engine.loader import from_transformers, load_folder
 from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.runner import ModelRunner
@@ -48,7 +48,11 @@ class EngineOptions:
     ``attention_backend`` (None: the torch reference ops) is the kernel seam of
     :mod:`pagedkv.modeling.base`. ``block_major_cache`` lays each pool out block by block
     (every layer of block b in one stretch: what the elastic page ledger counts) instead
-    of layer by layer (:mod:`pagedkv.engine.cache`)."""
+    of layer by layer (:mod:`pagedkv.engine.cache`). ``metadata``: how the runner builds
+    each step's attention metadata, ``"persistent"`` (one persistent builder fed with the
+    tables' changes; ``derive_on_device``: its steady decode steps derived on the device,
+    None: on CUDA) or ``"stateless"`` (``build_metadata`` from every block list, each step:
+    the reference it is tested against; :mod:`pagedkv.engine.runner`)."""
 
     device: str = "cpu"
     dtype: str | None = None
@@ -67,6 +71,8 @@ class EngineOptions:
     attention_backend: AttentionBackend | None = None
     spec_tokens: int = 0  # lookahead slots per decode for draft tokens (runner ``drafts``)
     block_major_cache: bool = False  # pools laid out block by block (engine/cache.py)
+    metadata: str = "persistent"
+    derive_on_device: bool | None = None
 
 
 @dataclass
@@ -120,7 +126,11 @@ class Engine:
                                   device=self.device, kv_dtype=self.dtype,
                                   debug_nan=options.debug_nan, shuffle_seed=options.shuffle_seed,
                                   backend=options.attention_backend or reference_attention,
-                                  block_major=options.block_major_cache)
+                                  block_major=options.block_major_cache,
+                                  metadata=options.metadata, max_batch=options.max_running,
+                                  lookahead=lookahead_tokens(self.manager.groups,
+                                                             options.spec_tokens),
+                                  derive_on_device=options.derive_on_device)
         eos = getattr(generation, "eos_token_id", None)
         eos = eos if eos is not None else getattr(text, "eos_token_id", None)
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -201,6 +211,7 @@ class Engine:
         self.steps += 1
         for req in done:
             self._generators.pop(req.rid, None)
+        self.runner.release(req.rid for req in done)
         return done
 
     def generate(self, prompts: Sequence[str | Sequence[int]],

@@ -319,6 +319,7 @@ class SpeculativeEngine(Engine):
         self.steps += 1
         for req in done:
             self._generators.pop(req.rid, None)
+        self.runner.release(req.rid for req in done)
         return done
 
 

@@ -8,7 +8,8 @@ One step, as the runner drives it (``pagedkv.engine``):
 2. the runner applies the ``copy`` ops (K/V block copies) and the ``restore`` ops
    (recurrent checkpoint -> request slot) to the cache tensors *before* the forward;
 3. the runner builds :class:`ForwardContext`: every attention group's metadata
-   (``pagedkv.batch.build_metadata``), every recurrent group's segments
+   (``pagedkv.batch``: a persistent builder, or ``build_metadata``; padded to a bucket
+   in the former: rows past ``num_reqs`` / ``num_tokens`` are padding), every recurrent group's segments
    (``RecurrentBatch.build(requests, gid, copy_ops)``: the model writes ``save`` states
    itself, they can fall mid-chunk), the per-layer cache tensors (views into the plan's
    pools), and the layer specs;
@@ -117,7 +118,9 @@ class ForwardContext:
     (``k``/``v`` [blocks, block_size, Hkv, D]; ``latent`` [blocks, block_size, E];
     recurrent ``conv``/``ssm``/``recurrent``... [slots, ...]);
     ``batches``: group id -> the step's recurrent segments (recurrent groups only);
-    ``requests``: the step's scheduled requests, in row order;
+    ``requests``: the step's scheduled requests, in row order (the engine's persistent
+    metadata path gives only recurrent groups' block ids here, and no requests at all
+    without recurrent groups: attention groups' tables are in ``metadata``);
     ``copy_ops``: the step's drained copy ops (already applied except ``save``);
     ``causal``: this invocation's causality (False only for non-causal drafter passes);
     ``backend``: the attention seam.

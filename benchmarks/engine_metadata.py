@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Host time of the engine's per-step metadata build, stateless vs persistent, on the same
+decode steps of the engine's own scheduler and block manager.
+
+Times :meth:`pagedkv.engine.runner.ModelRunner.step_metadata` both ways, interleaved (one
+of each per step, the order alternating), so a loaded machine slows them alike:
+
+- ``stateless``: a ScheduledRequest per request from every block list, then
+  ``build_metadata`` (what the runner did before; ``EngineOptions(metadata="stateless")``);
+- ``persistent``: the tables' changes since each request's last step into the runner's one
+  ``PersistentMetadata`` (``engine/stepmeta.py``: a block opened here and there, one
+  ``append_each`` call per group), then its step into the fixed, bucketed buffers (the
+  default).
+
+Setup: an Engine over a tiny random Llama (fp32, CPU; the model never runs: the metadata
+does not depend on the cache's contents), B requests with prompts of 768-1,280 tokens,
+block size 16, ``max_running`` B, block tables ``max_model_len / 16`` wide (by default
+just long enough for the run: 104 columns at 300 steps, 123 with ``--breakdown``, whose
+steps come after). The prompts are
+scheduled and committed without a forward, then every step is a decode step of all B
+requests (schedule, time both builds, commit one token each); the first ``--warmup`` steps
+are not timed. The persistent output is compared with ``build_metadata`` (padded alike)
+every 10th step.
+
+Reported per batch: median host time per step (perf_counter), the 10th percentile (the
+steps least disturbed on a shared machine) and the ratio persistent / stateless of the
+medians; then the machine, versions and UTC time.
+
+``--breakdown``: afterwards, as many persistent steps alone, back to back: the medians of
+the build, of the builder's ``step`` and of ``append_each`` (the rest: TableSync's checks).
+
+Usage: python benchmarks/engine_metadata.py [--batches 64,256] [--steps N] [--warmup N]
+       [--max-model-len N] [--breakdown] [--derive-on-device]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+from pagedkv.batch import build_metadata
+from pagedkv.engine import Engine, EngineOptions, SamplingParams
+from pagedkv.engine.tiny import tiny_model
+from pagedkv.kvspec.layout import bytes_per_token
+from pagedkv.models import layers_from_config
+
+ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
+          "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+
+
+def make_engine(hf, batch: int, max_model_len: int, derive: bool) -> Engine:
+    """Room for every request at max_model_len (fp32: the planner counts 16-bit KV, so an
+    fp32 engine plans half of what it is given)."""
+    per_token = sum(bytes_per_token(s.layout) for s in layers_from_config(hf.config.to_dict()))
+    need = 2 * per_token * (batch * max_model_len + 8192) * 5 // 4
+    return Engine(hf, EngineOptions(
+        device="cpu", block_size=16, max_model_len=max_model_len, max_batched_tokens=8192,
+        max_running=batch, kv_cache_bytes=need, enable_prefix_caching=False,
+        derive_on_device=derive))
+
+
+def check(meta, reqs, groups) -> None:
+    first = next(iter(meta.values()))
+    want = build_metadata(reqs, groups, pad_batch_to=first.block_table.shape[0],
+                          pad_tokens_to=first.slot_mapping.shape[0],
+                          max_blocks=first.block_table.shape[1])
+    for gid, got in meta.items():
+        for name in ARRAYS:
+            if not torch.equal(getattr(got, name), getattr(want[gid], name)):
+                raise SystemExit(f"persistent metadata differs from build_metadata: {name}")
+
+
+def breakdown(sched, runner, steps: int) -> dict:
+    """The persistent build alone, ``steps`` decode steps back to back (warm): medians of
+    the whole build, the builder's ``step`` and its ``append_each`` calls (the rest is
+    TableSync's per-request checks)."""
+    builder = runner.sync.builder
+    parts = {"build": [], "builder.step": [], "append_each": []}
+    step, append_each = builder.step, builder.append_each
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            parts[name][-1] += time.perf_counter() - t0
+            return out
+        return call
+
+    builder.step, builder.append_each = timed("builder.step", step), timed("append_each", append_each)
+    try:
+        for _ in range(steps):
+            plan = sched.schedule()
+            for v in parts.values():
+                v.append(0.0)
+            t0 = time.perf_counter()
+            runner.step_metadata(plan.chunks, [0] * len(plan.chunks))
+            parts["build"][-1] = time.perf_counter() - t0
+            sched.update(plan, {c.request.rid: [1] for c in plan.chunks if c.samples})
+    finally:
+        del builder.step, builder.append_each
+    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+
+
+def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: bool,
+        split: bool = False) -> dict:
+    engine = make_engine(hf, batch, max_model_len, derive)
+    rng = random.Random(batch)
+    vocab = engine.vocab_size
+    for _ in range(batch):
+        n = rng.randrange(768, 1281)
+        engine.add_request([rng.randrange(vocab) for _ in range(n)],  # none finishes early
+                           SamplingParams(max_new_tokens=max_model_len - n, ignore_eos=True))
+    sched, runner = engine.scheduler, engine.runner
+    times = {"stateless": [], "persistent": []}
+    decode_steps = 0
+    while decode_steps < steps + warmup:
+        plan = sched.schedule()
+        if not plan.chunks or plan.preempted:
+            raise SystemExit("a request was preempted or nothing was scheduled: the cache "
+                             "is too small, or --max-model-len too short for the steps")
+        decode = len(plan.chunks) == batch and all(c.num_new_tokens == 1 for c in plan.chunks)
+        if decode:
+            extra = [0] * len(plan.chunks)
+            order = ("stateless", "persistent") if decode_steps % 2 else ("persistent", "stateless")
+            for path in order:
+                t0 = time.perf_counter()
+                meta, _ = runner.step_metadata(plan.chunks, extra, stateless=path == "stateless")
+                dt = time.perf_counter() - t0
+                if decode_steps >= warmup:
+                    times[path].append(dt * 1e6)
+                if path == "persistent" and decode_steps % 10 == 0:
+                    check(meta, [runner.scheduled(c) for c in plan.chunks], runner.attn_groups)
+            decode_steps += 1
+        sampled = {c.request.rid: [1] for c in plan.chunks if c.samples}
+        sched.update(plan, sampled)
+    builder = runner.sync.builder
+    parts = breakdown(sched, runner, steps) if split else None
+    return {"times": times, "parts": parts, "derived": builder.derived_steps,
+            "width": builder.max_blocks, "added": runner.sync.added,
+            "rewritten": runner.sync.rewritten}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: 1,280 + warmup + steps + 64 (the admission steps "
+                             "decode too), rounded up to 16")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="then as many persistent steps alone, warm: where the time goes")
+    parser.add_argument("--derive-on-device", action="store_true",
+                        help="the persistent builder derives steady decode steps 'on the "
+                             "device' (on CPU: its numpy reference, on the host)")
+    args = parser.parse_args(argv)
+    if args.max_model_len is None:
+        more = args.steps if args.breakdown else 0
+        args.max_model_len = -(-(1280 + args.warmup + args.steps + more + 64) // 16) * 16
+    torch.set_num_threads(1)
+    hf = tiny_model("llama-3-8b")
+    start = datetime.now(timezone.utc)
+    breakdowns = []
+    print("| batch | stateless us (p10) | persistent us (p10) | ratio | derived steps | "
+          "table width |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        r = run(hf, batch, args.steps, args.warmup, args.max_model_len, args.derive_on_device,
+                args.breakdown)
+        if r["parts"]:
+            breakdowns.append((batch, r["parts"]))
+        t = r["times"]
+        med = {k: statistics.median(v) for k, v in t.items()}
+        p10 = {k: float(np.percentile(v, 10)) for k, v in t.items()}
+        print(f"| {batch} | {med['stateless']:.0f} ({p10['stateless']:.0f}) | "
+              f"{med['persistent']:.0f} ({p10['persistent']:.0f}) | "
+              f"{med['persistent'] / med['stateless']:.3f} | {r['derived']} | {r['width']} |",
+              flush=True)
+    end = datetime.now(timezone.utc)
+    for batch, parts in breakdowns:
+        rest = parts["build"] - parts["builder.step"] - parts["append_each"]
+        print(f"\nbatch {batch}, persistent alone ({args.steps} steps, warm, medians): build "
+              f"{parts['build']:.0f} us = builder.step {parts['builder.step']:.0f} + "
+              f"append_each {parts['append_each']:.0f} + TableSync checks ~{rest:.0f}")
+    print(f"\n{len(t['stateless'])} timed decode steps per batch after {args.warmup} untimed; "
+          f"persistent output equal to build_metadata on every 10th step")
+    print(f"machine: {os.cpu_count()} cores, {len(os.sched_getaffinity(0))} usable "
+          f"({cpu_model()}), load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; Python "
+          f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
+    print(f"UTC {start:%Y-%m-%d %H:%M:%S} - {end:%H:%M:%S}; "
+          f"command: python benchmarks/engine_metadata.py {' '.join(argv or sys.argv[1:])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
