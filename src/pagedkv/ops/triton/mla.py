@@ -446,19 +446,20 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     more than it gained in the sweeps)."""
     if interpreting():
         return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
-                    dv_splits=1, num_warps=4, num_stages=2, waves=0.0, swap=False, tma=None)
+                    dv_splits=1, num_warps=4, num_stages=2, waves=0.0, swap=False, tma=None,
+                    gluon=False)
     if f32 or block_size % 32 or fp8:
         # float32 (reference-precision) path, fp8 caches, or blocks TMA tiles do not fit
         bm = 16 if fp8 else min(64, max(16, next_pow2(rows_per_request)))
         return dict(block_m=bm, block_n=16 if f32 else 32, dv_splits=2 if bm == 64 else 1,
                     num_warps=8 if bm == 64 else 4, num_stages=2, waves=2.0, swap=False,
-                    tma=False if fp8 else None)
+                    tma=False if fp8 else None, gluon=False)
     block_n = 64 if block_size % 64 == 0 else 32
     if rows_per_request <= 16:
         return dict(block_m=16, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2,
-                    waves=1.0, swap=True, tma=True)
+                    waves=1.0, swap=True, tma=True, gluon=False)
     return dict(block_m=64, block_n=block_n, dv_splits=1, num_warps=8, num_stages=2, waves=1.0,
-                swap=False, tma=True)
+                swap=False, tma=True, gluon=False)
 
 
 def _splits(work_items: int, max_seq_len: int, waves: float) -> int:
@@ -519,6 +520,7 @@ def paged_mla_latent(
     dv_splits: int | None = None,
     swap: bool | None = None,
     tma: bool | None = None,
+    gluon: bool | None = None,
     check_blocks: bool = True,
 ) -> torch.Tensor:
     """o_latent [T, H, R] (float32; see ``pagedkv.ops.paged_mla.paged_mla_latent``).
@@ -527,7 +529,9 @@ def paged_mla_latent(
     ``splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``dv_splits`` (output
     column slices, each program recomputing the scores) and ``swap`` (keys on the MMA's M side:
     scores computed transposed), ``tma`` (page tiles through tensor descriptors; default: where
-    the layout allows) override the launch defaults.
+    the layout allows), ``gluon`` (the Hopper Gluon kernel of ``mla_gluon``, 64-row tiles;
+    True where it cannot run raises, a default of True falls back to the Triton kernels)
+    override the launch defaults.
     ``check_blocks=False`` skips reading back the out-of-cache flag (one host sync; it is
     also skipped inside CUDA-graph capture).
     """
@@ -568,6 +572,16 @@ def paged_mla_latent(
     f32 = interpreting() or q_latent.dtype == torch.float32
     cfg = launch_defaults(max(1, max_query_len) * heads, block_size, f32,
                           ds or is_fp8(latent_cache.dtype))
+    use_gluon = cfg["gluon"] if gluon is None else bool(gluon)
+    if use_gluon:
+        from pagedkv.ops.triton import mla_gluon
+
+        why = mla_gluon.supported(q_latent, q_rope, latent_cache, mask, latent_scale)
+        if why is not None and gluon:
+            raise InvalidArgumentError(f"gluon=True cannot run this call: {why}")
+        use_gluon = why is None
+    if use_gluon:  # fixed tiles: 64 rows x 64 keys on 8 warps
+        block_m, block_n, cfg = 64, 64, dict(cfg, dv_splits=1, num_stages=2, waves=1.0, tma=True)
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     dv_splits = dv_splits or cfg["dv_splits"]
@@ -616,11 +630,15 @@ def paged_mla_latent(
             table.stride(0), num_blocks, block_size, heads, rope_dim)
     masks = (mask.window or 0, mask.chunk or 0, mask.draft_block or 0)
     if batch and rows and descs is not None:
-        kd, rd, rope_col = descs
-        _paged_mla_tma[(batch * tiles * dv_splits, splits)](
-            ql, qr, kd, rd, *views, *args, rope_col, scale, lscale_f, *masks, tiles, splits,
-            DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n, SWAP=swap, num_warps=warps,
-            num_stages=stages, **common)
+        if use_gluon:
+            mla_gluon.launch(ql, qr, latent_cache, query_start_loc, seq_lens, table, ws, flag,
+                             scale=scale, mask=mask, tiles=tiles, splits=splits)
+        else:
+            kd, rd, rope_col = descs
+            _paged_mla_tma[(batch * tiles * dv_splits, splits)](
+                ql, qr, kd, rd, *views, *args, rope_col, scale, lscale_f, *masks, tiles, splits,
+                DVS=dv_splits, BLOCK_M=block_m, BLOCK_N=block_n, SWAP=swap, num_warps=warps,
+                num_stages=stages, **common)
         # the keys of each sequence's last, partly written tile: masked loads, extra split
         tail_tiles = -(-max(1, max_query_len) * heads // 16)
         _paged_mla_fwd[(batch * tail_tiles, 1)](

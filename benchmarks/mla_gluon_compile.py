@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Compile the Gluon MLA kernel for sm_90 on any machine (no GPU needed) and print, as one
+JSON line: shared memory bytes, registers / stack / local bytes per thread (cuobjdump), and
+the count of each wgmma / TMA instruction kind in the PTX.
+
+Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full] [bf16|fp16]
+(run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from pagedkv.ops.triton import mla_gluon
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_fwd(mask: str = "causal", dtype: str = "bf16"):
+    fn = mla_gluon._mla_gluon_fwd
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt))
+    const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=mla_gluon.BLOCK_M,
+                 BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
+                 HAS_DRAFT=mask == "draft")
+    q = "*bf16" if dtype == "bf16" else "*fp16"
+    ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
+            "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("kd", "rd"):
+            sig[name] = mangle_type(kd if name == "kd" else rd)
+        else:
+            sig[name] = "fp32" if name == "scale" else "i32"
+    src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+def report(kernel) -> dict:
+    out = {"shared": kernel.metadata.shared}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path],
+                              capture_output=True, text=True, check=True).stdout
+    out.update({k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)})
+    ptx = kernel.asm["ptx"]
+    out["ptx"] = dict(collections.Counter(
+        re.findall(r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait)", ptx)))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(report(compile_fwd(*sys.argv[1:]))))

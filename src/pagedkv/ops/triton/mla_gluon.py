@@ -1,0 +1,241 @@
+"""Paged absorbed MLA decode in Gluon for Hopper (sm_90): 64-row tiles, scores computed once.
+
+Why not ``tl.dot``: with 64 (query row, head) rows on 8 warps Triton gives the score product
+a [8, 1] warp layout, so both warpgroups compute the same 64 x 64 scores and the kernel is
+compute-bound at half the tensor-core rate (docs/kernels.md, MLA sections). Here the layouts
+are explicit: one CTA is one request x one 64-row tile x one KV split, 8 warps.
+
+- scores S = Q K^T over the 576-wide entry ([4, 2] warps: each warpgroup 32 of the 64 keys,
+  so every score is computed once); the row maxima/sums cross the warpgroups in the
+  reductions;
+- P (bf16) goes through shared memory; O += P V is split by output columns ([4, 2] warps,
+  256 columns per warpgroup, fp32 accumulators in registers);
+- 64-key page tiles arrive by TMA (512 latent + 64 rope columns, NVMMA-swizzled) into a
+  2-stage ring guarded by mbarriers; the copy of tile i + 2 is issued as soon as tile i is
+  consumed.
+
+Scope: bf16/fp16 queries and cache of the same dtype, R = 512, P = 64, block sizes that are
+multiples of 64, causal / non-causal / draft-block masks. The partly written last tile of
+each sequence (unwritten slots may hold NaN, which a zero probability does not cancel in
+the value product) is left to the pointer kernel's tail launch, as the Triton TMA path does;
+both write the workspace of the shared split-KV ``combine``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+RANK, ROPE, BLOCK_M, BLOCK_N, STAGES = 512, 64, 64, 64, 2
+
+
+@gluon.jit
+def _extents(row, q_len, seq_len, draft, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
+    """Key interval [0, hi) per row, as ``rows.row_extents`` without window/chunk: rows at
+    bottom-right positions; rows past q_len (or before position 0) see nothing."""
+    first = seq_len - q_len
+    pos = first + row
+    valid = (row < q_len) & (pos >= 0)
+    if CAUSAL:
+        hi = pos + 1
+    elif HAS_DRAFT:
+        hi = first + (row // draft) * draft + draft
+    else:
+        hi = gl.zeros_like(row) + seq_len
+    return gl.where(valid, gl.minimum(hi, seq_len), 0)
+
+
+@gluon.jit
+def _issue(kd, rd, kv_smem, kr_smem, bars, table_row, n0, stage, block_size, num_blocks, pred,
+           R: gl.constexpr):
+    """TMA copies of the 64-key tile at key n0 (one page holds it) into ring slot ``stage``."""
+    page = gl.load(table_row + n0 // block_size, mask=pred, other=0)
+    page = gl.where((page < 0) | (page >= num_blocks), 0, page)  # flagged at compute time
+    slot = page * block_size + n0 % block_size
+    bar = bars.index(stage)
+    mbarrier.expect(bar, kd.block_type.nbytes + rd.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(kd, [slot, 0], bar, kv_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(rd, [slot, R], bar, kr_smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def _mla_gluon_fwd(
+    ql_ptr, qr_ptr, kd, rd, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
+    num_blocks, block_size, heads, scale, draft, tiles, num_splits,
+    R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+):
+    """Program (b x tile, split): rows tile*64.. of request b, keys of this split below the
+    sequence's last multiple of 64; writes split ``split`` of num_splits + 1 (the last is the
+    tail launch's)."""
+    gl.static_assert(gl.num_warps() == 8)
+    dt: gl.constexpr = kd.dtype
+    # scores [64 rows, 64 keys]: warpgroup g computes keys 32g..32g+31
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    # output [64 rows, R]: warpgroup g owns columns (R/2)g..
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, R // 2, 16])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    srow: gl.constexpr = gl.SliceLayout(1, s_l)
+    orow: gl.constexpr = gl.SliceLayout(1, o_l)
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid // tiles
+    tile = pid % tiles
+    q_start = gl.load(qsl_ptr + b)
+    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len * heads:
+        return
+    seq_len = gl.load(lens_ptr + b)
+
+    # queries -> NVMMA shared memory (rows past q_len: zeros)
+    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    rq = mq // heads
+    hq = mq % heads
+    tq = (q_start + rq).to(gl.int64)
+    qmask = (rq < q_len)[:, None]
+    cr = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
+    cp = gl.arange(0, P, layout=gl.SliceLayout(0, q_l))
+    q = gl.load(ql_ptr + tq[:, None] * stride_qt + hq[:, None] * stride_qh + cr[None, :],
+                mask=qmask, other=0.0)
+    q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, R], dt), q)
+    qr = gl.load(qr_ptr + tq[:, None] * stride_rt + hq[:, None] * stride_rh + cp[None, :],
+                 mask=qmask, other=0.0)
+    qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, P], dt), qr)
+    kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], kd.layout)
+    kr_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, P], rd.layout)
+    p_smem = gl.allocate_shared_memory(
+        dt, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dt))
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()  # the queries' stores and the barriers' init, before async readers
+    gl.thread_barrier()
+
+    # this split's keys: [0, kv_hi) in num_splits BLOCK_N-aligned pieces, whole tiles only
+    m_s = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=srow)
+    hi = _extents(m_s // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    kv_hi = gl.max(hi, 0)
+    per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = split * per
+    t_hi = gl.minimum(gl.minimum(s_lo + per, kv_hi), seq_len // BLOCK_N * BLOCK_N)
+    n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
+    table_row = table_ptr + b.to(gl.int64) * stride_tb
+    for i in gl.static_range(STAGES):
+        _issue(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo + i * BLOCK_N, i, block_size,
+               num_blocks, i < n_tiles, R)
+
+    qk_scale = scale * 1.4426950408889634
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=srow)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=srow)
+    acc = gl.zeros([BLOCK_M, R], gl.float32, layout=o_l)
+    s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
+    kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    for it in range(n_tiles):
+        stage = it % STAGES
+        n0 = s_lo + it * BLOCK_N
+        page = gl.load(table_row + n0 // block_size)
+        bad = (page < 0) | (page >= num_blocks)
+        gl.store(flag_ptr, 1, mask=bad)
+        gl.store(flag_ptr + 1, page, mask=bad)
+        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+        kv = kv_smem.index(stage)
+        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        keys = n0 + kn
+        seen = (keys[None, :] < hi[:, None]) & (bad == 0)
+        s = gl.where(seen, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p_smem.store(p.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, orow)[:, None]
+        acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # both warpgroups are done with this slot and with P
+        _issue(kd, rd, kv_smem, kr_smem, bars, table_row, n0 + STAGES * BLOCK_N, stage,
+               block_size, num_blocks, it + STAGES < n_tiles, R)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    base = (q_start + m_s // heads).to(gl.int64) * heads + m_s % heads
+    base = base * (num_splits + 1) + split
+    rmask = m_s // heads < q_len
+    gl.store(ws_m + base, m_i, mask=rmask)
+    gl.store(ws_l + base, l_i, mask=rmask)
+    m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=orow)
+    base_o = ((q_start + m_o // heads).to(gl.int64) * heads + m_o % heads) * (num_splits + 1) + split
+    co = gl.arange(0, R, layout=gl.SliceLayout(0, o_l))
+    gl.store(ws_o + base_o[:, None] * R + co[None, :], acc, mask=(m_o // heads < q_len)[:, None])
+
+
+def descriptors(cache: torch.Tensor):
+    """(latent, rope) Gluon tensor descriptors over the cache seen as one row per slot:
+    [64, 512] and [64, 64] boxes, 128-byte swizzle."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_blocks, block_size, width = cache.shape
+    dt = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
+    rows = num_blocks * block_size
+    flat = cache.view(rows, width) if cache.is_contiguous() else cache.as_strided(
+        (rows, width), (cache.stride(1), 1))
+    kd = TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BLOCK_N, RANK],
+                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], dt))
+    rd = TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BLOCK_N, ROPE],
+                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dt))
+    return kd, rd
+
+
+def supported(q_latent, q_rope, cache, mask, latent_scale) -> str | None:
+    """Why the Gluon kernel cannot take this call (None: it can). Device checks last."""
+    if latent_scale is not None or cache.dtype not in (torch.bfloat16, torch.float16):
+        return f"a {cache.dtype} cache (bf16/fp16 only)"
+    if q_latent.dtype != cache.dtype or (q_rope is not None and q_rope.dtype != cache.dtype):
+        return f"{q_latent.dtype} queries for a {cache.dtype} cache"
+    if q_rope is None or q_latent.shape[-1] != RANK or q_rope.shape[-1] != ROPE:
+        rope = 0 if q_rope is None else q_rope.shape[-1]
+        return f"rank {q_latent.shape[-1]} + rope {rope} (512 + 64 only)"
+    if cache.shape[1] % BLOCK_N or cache.shape[-1] != RANK + ROPE:
+        return f"block size {cache.shape[1]}, entry {cache.shape[-1]} (multiples of 64, 576)"
+    if cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1) or (
+            cache.stride(1) * cache.element_size()) % 16 or cache.data_ptr() % 16:
+        return "cache entries not page-contiguous and 16-byte aligned"
+    if mask.window is not None or mask.chunk is not None:
+        return "sliding-window / chunked masks"
+    if cache.device.type != "cuda" or torch.cuda.get_device_capability(cache.device) != (9, 0):
+        return "not a Hopper (sm_90) device"
+    return None
+
+
+def launch(ql, qr, cache, query_start_loc, seq_lens, table, ws, flag, *, scale: float, mask,
+           tiles: int, splits: int) -> None:
+    """The main launch: grid (batch x tiles, splits), writing splits 0..splits-1 of a
+    workspace with splits + 1 (the caller's tail launch writes the last)."""
+    kd, rd = descriptors(cache)
+    num_blocks, block_size = cache.shape[:2]
+    heads = ql.shape[1]
+    _mla_gluon_fwd[(seq_lens.shape[0] * tiles, splits)](
+        ql, qr, kd, rd, query_start_loc, seq_lens, table, *ws, flag,
+        ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), table.stride(0),
+        num_blocks, block_size, heads, scale, mask.draft_block or 0, tiles, splits,
+        R=RANK, P=ROPE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=mask.causal,
+        HAS_DRAFT=mask.draft_block is not None, num_warps=8)
