@@ -4,6 +4,7 @@ JSON line: shared memory bytes, registers / stack / local bytes per thread (cuob
 the count of each wgmma / TMA instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full] [bf16|fp16]
+[rows|swap] (64-row tiles, or the transposed <= 16-row kernel)
 (run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
 """
 
@@ -28,11 +29,12 @@ from pagedkv.ops.triton import mla_gluon
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_fwd(mask: str = "causal", dtype: str = "bf16"):
-    fn = mla_gluon._mla_gluon_fwd
+def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows"):
+    swap = kernel == "swap"
+    fn = mla_gluon._mla_gluon_swap if swap else mla_gluon._mla_gluon_fwd
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
     kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt))
-    const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=mla_gluon.BLOCK_M,
+    const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
                  BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
                  HAS_DRAFT=mask == "draft")
     q = "*bf16" if dtype == "bf16" else "*fp16"
@@ -50,7 +52,7 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16"):
         else:
             sig[name] = "fp32" if name == "scale" else "i32"
     src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if swap else 8})
 
 
 def report(kernel) -> dict:

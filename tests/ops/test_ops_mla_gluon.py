@@ -30,13 +30,13 @@ SHARED_LIMIT = 227 * 1024  # bytes of shared memory one H100/H200 block may use
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mla_gluon_compile.py"
 
 
-def compiled_for_sm90(mask: str, dtype: str) -> dict:
+def compiled_for_sm90(mask: str, dtype: str, kernel: str = "rows") -> dict:
     """benchmarks/mla_gluon_compile.py's report: the kernel compiled for sm_90 by the real
     compiler (no GPU needed), in a process without TRITON_INTERPRET (which replaces the JIT
     functions process-wide)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    out = subprocess.run([sys.executable, str(SCRIPT), mask, dtype], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, str(SCRIPT), mask, dtype, kernel], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -54,6 +54,22 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(mask, dtype):
     assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n32k16.f32.{kind}.{kind}") == 36, use
     assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{kind}.{kind}") == 4, use
     assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
+
+
+@pytest.mark.parametrize("mask,dtype", [("causal", "bf16"), ("draft", "fp16")])
+def test_transposed_kernel_compiles_for_sm90_within_shared_memory_without_spills(mask, dtype):
+    use = compiled_for_sm90(mask, dtype, "swap")
+    assert 0 < use["shared"] <= SHARED_LIMIT, use
+    assert use["STACK"] == 0 and use["LOCAL"] == 0, use
+    kind = "bf16" if dtype == "bf16" else "f16"
+    # scores: 64 keys x 16 rows over 576 columns = 36; values: 512 output columns (8 x m64)
+    # over 64 keys (4 x k16) = 32; nothing padded to 64 rows
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n16k16.f32.{kind}.{kind}") == 68, use
+    assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
+
+
+def test_rows_per_program():
+    assert [gluon_mod.tile_rows(r) for r in (1, 8, 16, 17, 112, 128)] == [16, 16, 16, 64, 64, 64]
 
 
 def _latent_case(seq_lens, q_lens, heads, block_size, dtype, seed):
@@ -93,6 +109,9 @@ GPU_CASES = [  # (heads, q_lens, seq_lens, mask, block size, splits)
     (128, [1] * 4, [130, 1000, 2113, 64], Mask(), 64, None),
     (128, [7] * 3, [71, 1000, 2113], Mask(causal=False, draft_block=7), 64, 2),
     (128, [7] * 3, [71, 1000, 513], Mask(), 128, None),
+    # <= 16 rows per request: the transposed kernel (16-row tiles, padded rows past q_len x H)
+    (8, [2, 1, 2, 2], [300, 64, 1500, 129], Mask(), 64, None),
+    (4, [3] * 3, [200, 3, 1025], Mask(causal=False, draft_block=3), 128, 2),
 ]
 
 

@@ -580,8 +580,10 @@ def paged_mla_latent(
         if why is not None and gluon:
             raise InvalidArgumentError(f"gluon=True cannot run this call: {why}")
         use_gluon = why is None
-    if use_gluon:  # fixed tiles: 64 rows x 64 keys on 8 warps
-        block_m, block_n, cfg = 64, 64, dict(cfg, dv_splits=1, num_stages=2, waves=1.0, tma=True)
+    if use_gluon:  # fixed tiles: 64 keys; 16 rows (transposed, 4 warps) or 64 rows (8 warps)
+        block_m = mla_gluon.tile_rows(max(1, max_query_len) * heads)
+        block_n, dv_splits = 64, 1
+        cfg = dict(cfg, num_stages=2, waves=1.0, tma=True)
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     dv_splits = dv_splits or cfg["dv_splits"]
@@ -632,7 +634,8 @@ def paged_mla_latent(
     if batch and rows and descs is not None:
         if use_gluon:
             mla_gluon.launch(ql, qr, latent_cache, query_start_loc, seq_lens, table, ws, flag,
-                             scale=scale, mask=mask, tiles=tiles, splits=splits)
+                             scale=scale, mask=mask, tiles=tiles, splits=splits,
+                             block_m=block_m)
         else:
             kd, rd, rope_col = descs
             _paged_mla_tma[(batch * tiles * dv_splits, splits)](

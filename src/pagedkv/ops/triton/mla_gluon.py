@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 RANK, ROPE, BLOCK_M, BLOCK_N, STAGES = 512, 64, 64, 64, 2
+SWAP_ROWS = 16  # rows per program of the transposed kernel
 
 
 @gluon.jit
@@ -140,7 +141,9 @@ def _mla_gluon_fwd(
 
     qk_scale = scale * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=srow)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=srow)
+    # row sums kept per thread (each warpgroup sees half the keys) and reduced once at the
+    # end: only the row maxima cross the warpgroups per tile
+    l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
     acc = gl.zeros([BLOCK_M, R], gl.float32, layout=o_l)
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
     kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
@@ -163,7 +166,7 @@ def _mla_gluon_fwd(
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_acc = l_acc * alpha[:, None] + p
         m_i = m_new
         p_smem.store(p.to(dt))
         fence_async_shared()
@@ -181,11 +184,125 @@ def _mla_gluon_fwd(
     base = base * (num_splits + 1) + split
     rmask = m_s // heads < q_len
     gl.store(ws_m + base, m_i, mask=rmask)
-    gl.store(ws_l + base, l_i, mask=rmask)
+    gl.store(ws_l + base, gl.sum(l_acc, 1), mask=rmask)
     m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=orow)
     base_o = ((q_start + m_o // heads).to(gl.int64) * heads + m_o % heads) * (num_splits + 1) + split
     co = gl.arange(0, R, layout=gl.SliceLayout(0, o_l))
     gl.store(ws_o + base_o[:, None] * R + co[None, :], acc, mask=(m_o // heads < q_len)[:, None])
+
+
+@gluon.jit
+def _mla_gluon_swap(
+    ql_ptr, qr_ptr, kd, rd, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
+    num_blocks, block_size, heads, scale, draft, tiles, num_splits,
+    R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+):
+    """Few rows (<= 16: decode with <= 16 heads): keys on the MMA's M side, one warpgroup.
+    S^T [64 keys, BLOCK_M rows] = K Q^T, O^T [R, BLOCK_M] += V^T P^T (V^T: the key tile read
+    transposed from shared memory), so no row is padded to 64. Same grid, workspace and
+    TMA ring as ``_mla_gluon_fwd``; the compute per tile is small, so what counts is that
+    the copies of the next two tiles are in flight while one is consumed."""
+    gl.static_assert(gl.num_warps() == 4)
+    dt: gl.constexpr = kd.dtype
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    per_row: gl.constexpr = gl.SliceLayout(0, t_l)
+    per_key: gl.constexpr = gl.SliceLayout(1, t_l)
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid // tiles
+    tile = pid % tiles
+    q_start = gl.load(qsl_ptr + b)
+    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len * heads:
+        return
+    seq_len = gl.load(lens_ptr + b)
+
+    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    rq = mq // heads
+    hq = mq % heads
+    tq = (q_start + rq).to(gl.int64)
+    qmask = (rq < q_len)[:, None]
+    cr = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
+    cp = gl.arange(0, P, layout=gl.SliceLayout(0, q_l))
+    q = gl.load(ql_ptr + tq[:, None] * stride_qt + hq[:, None] * stride_qh + cr[None, :],
+                mask=qmask, other=0.0)
+    q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, R], dt), q)
+    qr = gl.load(qr_ptr + tq[:, None] * stride_rt + hq[:, None] * stride_rh + cp[None, :],
+                 mask=qmask, other=0.0)
+    qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, P], dt), qr)
+    kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], kd.layout)
+    kr_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, P], rd.layout)
+    pt_smem = gl.allocate_shared_memory(
+        dt, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dt))
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
+    hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    kv_hi = gl.max(hi, 0)
+    per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = split * per
+    t_hi = gl.minimum(gl.minimum(s_lo + per, kv_hi), seq_len // BLOCK_N * BLOCK_N)
+    n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
+    table_row = table_ptr + b.to(gl.int64) * stride_tb
+    for i in gl.static_range(STAGES):
+        _issue(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo + i * BLOCK_N, i, block_size,
+               num_blocks, i < n_tiles, R)
+
+    qk_scale = scale * 1.4426950408889634
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=per_row)
+    acc = gl.zeros([R, BLOCK_M], gl.float32, layout=t_l)
+    s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    kn = gl.arange(0, BLOCK_N, layout=per_key)
+    for it in range(n_tiles):
+        stage = it % STAGES
+        n0 = s_lo + it * BLOCK_N
+        page = gl.load(table_row + n0 // block_size)
+        bad = (page < 0) | (page >= num_blocks)
+        gl.store(flag_ptr, 1, mask=bad)
+        gl.store(flag_ptr + 1, page, mask=bad)
+        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+        kv = kv_smem.index(stage)
+        s = warpgroup_mma(kv, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(kr_smem.index(stage), qr_smem.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        keys = n0 + kn
+        seen = (keys[:, None] < hi[None, :]) & (bad == 0)
+        s = gl.where(seen, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[None, :])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        pt_smem.store(p.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(kv.permute((1, 0)), pt_smem, acc * alpha[None, :], is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # every warp is done with this slot and with P
+        _issue(kd, rd, kv_smem, kr_smem, bars, table_row, n0 + STAGES * BLOCK_N, stage,
+               block_size, num_blocks, it + STAGES < n_tiles, R)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    base = ((q_start + m_r // heads).to(gl.int64) * heads + m_r % heads) * (num_splits + 1) + split
+    rmask = m_r // heads < q_len
+    gl.store(ws_m + base, m_i, mask=rmask)
+    gl.store(ws_l + base, l_i, mask=rmask)
+    co = gl.arange(0, R, layout=per_key)
+    gl.store(ws_o + base[None, :] * R + co[:, None], acc, mask=rmask[None, :])
 
 
 def descriptors(cache: torch.Tensor):
@@ -226,16 +343,24 @@ def supported(q_latent, q_rope, cache, mask, latent_scale) -> str | None:
     return None
 
 
+def tile_rows(rows_per_request: int) -> int:
+    """Rows per program: <= 16 (decode with <= 16 heads) take the transposed one-warpgroup
+    kernel, more the 64-row tiles."""
+    return SWAP_ROWS if rows_per_request <= SWAP_ROWS else BLOCK_M
+
+
 def launch(ql, qr, cache, query_start_loc, seq_lens, table, ws, flag, *, scale: float, mask,
-           tiles: int, splits: int) -> None:
+           tiles: int, splits: int, block_m: int) -> None:
     """The main launch: grid (batch x tiles, splits), writing splits 0..splits-1 of a
     workspace with splits + 1 (the caller's tail launch writes the last)."""
     kd, rd = descriptors(cache)
     num_blocks, block_size = cache.shape[:2]
     heads = ql.shape[1]
-    _mla_gluon_fwd[(seq_lens.shape[0] * tiles, splits)](
+    swap = block_m == SWAP_ROWS
+    kernel = _mla_gluon_swap if swap else _mla_gluon_fwd
+    kernel[(seq_lens.shape[0] * tiles, splits)](
         ql, qr, kd, rd, query_start_loc, seq_lens, table, *ws, flag,
         ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), table.stride(0),
         num_blocks, block_size, heads, scale, mask.draft_block or 0, tiles, splits,
-        R=RANK, P=ROPE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=mask.causal,
-        HAS_DRAFT=mask.draft_block is not None, num_warps=8)
+        R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=mask.causal,
+        HAS_DRAFT=mask.draft_block is not None, num_warps=4 if swap else 8)
