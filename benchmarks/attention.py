@@ -114,8 +114,9 @@ def record(case: str, name: str, fn, nbytes: int, ref: torch.Tensor | None, flop
     return out
 
 
-GLUON = [False]  # --gluon: also time the Gluon MLA kernel (Hopper only)
-GLUON_VARIANTS = [{}, {"splits": 1}, {"splits": 2}, {"splits": 4}]
+GLUON = [False]  # --gluon: MLA bf16 also with gluon=False / True and other splits
+GLUON_VARIANTS = [{"gluon": False}, {"gluon": True}, {"gluon": True, "splits": 1},
+                  {"gluon": True, "splits": 2}, {"gluon": True, "splits": 4}]
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
 
 
@@ -461,11 +462,10 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
         record_graphed(case, "pagedkv_triton", run, nbytes, flops)
         if TUNED.get(family):
             record_graphed(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, flops)
-    if fmt == "bf16" and GLUON[0]:  # the Hopper Gluon kernel (gluon=True), default and other splits
+    if fmt == "bf16" and GLUON[0]:  # Triton kernels forced, Gluon kernels at other splits
         for over in GLUON_VARIANTS:
-            name = "pagedkv_gluon" + ("[" + ",".join(f"{k}={v}" for k, v in over.items()) + "]"
-                                      if over else "")
-            fn = lambda over=over: run(gluon=True, **over)  # noqa: E731
+            name = config_name(over)
+            fn = lambda over=over: run(**over)  # noqa: E731
             if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                 record_graphed(case, name, fn, nbytes, flops)
     if not peers or fmt != "bf16":
@@ -526,7 +526,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
     parser.add_argument("--gluon", action="store_true",
-                        help="MLA bf16: also the Gluon kernel (gluon=True; Hopper only)")
+                        help="MLA bf16: also gluon=False (Triton kernels) and gluon=True rows")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")

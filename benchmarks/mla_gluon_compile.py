@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile the Gluon MLA kernel for sm_90 on any machine (no GPU needed) and print, as one
-JSON line: shared memory bytes, registers / stack / local bytes per thread (cuobjdump), and
-the count of each wgmma / TMA instruction kind in the PTX.
+JSON line: shared memory bytes, registers / stack / local bytes per thread (cuobjdump), the
+local-memory accesses inside the key loop (SASS), and the count of each wgmma / TMA
+instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full] [bf16|fp16]
 [rows|swap] (64-row tiles, or the transposed <= 16-row kernel)
@@ -55,6 +56,24 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if swap else 8})
 
 
+def loop_spills(sass: str) -> int:
+    """Local-memory loads/stores (STL/LDL) inside the longest conditional backward branch's
+    range, i.e. the key loop (an unconditional one is a wait's retry path jumping back in):
+    a stack only written before the loop and read after it costs no per-tile traffic."""
+    code = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2)))
+    loop = (0, -1)
+    for addr, ins in code:
+        t = re.match(r"@!?U?P\d\s+BRA\s+(0x[0-9a-f]+)", ins)  # conditional: a loop's own edge
+        if t and int(t.group(1), 16) < addr and addr - int(t.group(1), 16) > loop[1] - loop[0]:
+            loop = (int(t.group(1), 16), addr)
+    return sum(1 for addr, ins in code
+               if loop[0] <= addr <= loop[1] and re.search(r"\b(STL|LDL)", ins))
+
+
 def report(kernel) -> dict:
     out = {"shared": kernel.metadata.shared}
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,7 +82,10 @@ def report(kernel) -> dict:
             f.write(kernel.asm["cubin"])
         text = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path],
                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
     out.update({k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)})
+    out["loop_spills"] = loop_spills(sass)
     ptx = kernel.asm["ptx"]
     out["ptx"] = dict(collections.Counter(
         re.findall(r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait)", ptx)))

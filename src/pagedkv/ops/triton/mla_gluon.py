@@ -16,9 +16,10 @@ are explicit: one CTA is one request x one 64-row tile x one KV split, 8 warps.
 
 Scope: bf16/fp16 queries and cache of the same dtype, R = 512, P = 64, block sizes that are
 multiples of 64, causal / non-causal / draft-block masks. The partly written last tile of
-each sequence (unwritten slots may hold NaN, which a zero probability does not cancel in
-the value product) is left to the pointer kernel's tail launch, as the Triton TMA path does;
-both write the workspace of the shared split-KV ``combine``.
+each sequence is loaded whole and its slots past the sequence zeroed in shared memory
+(unwritten slots may hold NaN, which a zero probability does not cancel in the value
+product), so one launch covers every key; the split-KV ``combine`` of the Triton kernels
+merges the splits.
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def _issue(kd, rd, kv_smem, kr_smem, bars, table_row, n0, stage, block_size, num
 
 
 @gluon.jit
+def _zero_past_end(kv, n0, seq_len, BLOCK_N: gl.constexpr, R: gl.constexpr, z_l: gl.constexpr):
+    """Zero the latent of the keys >= seq_len in a landed tile: slots past the sequence may
+    hold anything (NaN), and a zero probability times NaN is NaN in the value product."""
+    keep = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, z_l)) < seq_len)[:, None]
+    for c in gl.static_range(R // 64):
+        chunk = kv.slice(c * 64, 64, dim=1)
+        x = chunk.load(z_l)
+        chunk.store(gl.where(keep, x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _mla_gluon_fwd(
     ql_ptr, qr_ptr, kd, rd, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
@@ -75,9 +89,8 @@ def _mla_gluon_fwd(
     R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
 ):
-    """Program (b x tile, split): rows tile*64.. of request b, keys of this split below the
-    sequence's last multiple of 64; writes split ``split`` of num_splits + 1 (the last is the
-    tail launch's)."""
+    """Program (b x tile, split): rows tile*64.. of request b, this split's keys; writes
+    split ``split`` of the workspace."""
     gl.static_assert(gl.num_warps() == 8)
     dt: gl.constexpr = kd.dtype
     # scores [64 rows, 64 keys]: warpgroup g computes keys 32g..32g+31
@@ -87,6 +100,7 @@ def _mla_gluon_fwd(
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, R // 2, 16])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    z_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     srow: gl.constexpr = gl.SliceLayout(1, s_l)
     orow: gl.constexpr = gl.SliceLayout(1, o_l)
 
@@ -126,13 +140,13 @@ def _mla_gluon_fwd(
     fence_async_shared()  # the queries' stores and the barriers' init, before async readers
     gl.thread_barrier()
 
-    # this split's keys: [0, kv_hi) in num_splits BLOCK_N-aligned pieces, whole tiles only
+    # this split's keys: [0, kv_hi) in num_splits BLOCK_N-aligned pieces
     m_s = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=srow)
     hi = _extents(m_s // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
     kv_hi = gl.max(hi, 0)
     per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
     s_lo = split * per
-    t_hi = gl.minimum(gl.minimum(s_lo + per, kv_hi), seq_len // BLOCK_N * BLOCK_N)
+    t_hi = gl.minimum(s_lo + per, kv_hi)
     n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
     for i in gl.static_range(STAGES):
@@ -156,6 +170,8 @@ def _mla_gluon_fwd(
         gl.store(flag_ptr + 1, page, mask=bad)
         mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
         kv = kv_smem.index(stage)
+        if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
+            _zero_past_end(kv, n0, seq_len, BLOCK_N, R, z_l)
         s = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
@@ -181,12 +197,12 @@ def _mla_gluon_fwd(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     base = (q_start + m_s // heads).to(gl.int64) * heads + m_s % heads
-    base = base * (num_splits + 1) + split
+    base = base * num_splits + split
     rmask = m_s // heads < q_len
     gl.store(ws_m + base, m_i, mask=rmask)
     gl.store(ws_l + base, gl.sum(l_acc, 1), mask=rmask)
     m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=orow)
-    base_o = ((q_start + m_o // heads).to(gl.int64) * heads + m_o % heads) * (num_splits + 1) + split
+    base_o = ((q_start + m_o // heads).to(gl.int64) * heads + m_o % heads) * num_splits + split
     co = gl.arange(0, R, layout=gl.SliceLayout(0, o_l))
     gl.store(ws_o + base_o[:, None] * R + co[None, :], acc, mask=(m_o // heads < q_len)[:, None])
 
@@ -209,6 +225,7 @@ def _mla_gluon_swap(
     t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    z_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     per_row: gl.constexpr = gl.SliceLayout(0, t_l)
     per_key: gl.constexpr = gl.SliceLayout(1, t_l)
 
@@ -252,7 +269,7 @@ def _mla_gluon_swap(
     kv_hi = gl.max(hi, 0)
     per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
     s_lo = split * per
-    t_hi = gl.minimum(gl.minimum(s_lo + per, kv_hi), seq_len // BLOCK_N * BLOCK_N)
+    t_hi = gl.minimum(s_lo + per, kv_hi)
     n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
     for i in gl.static_range(STAGES):
@@ -274,6 +291,8 @@ def _mla_gluon_swap(
         gl.store(flag_ptr + 1, page, mask=bad)
         mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
         kv = kv_smem.index(stage)
+        if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
+            _zero_past_end(kv, n0, seq_len, BLOCK_N, R, z_l)
         s = warpgroup_mma(kv, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(kr_smem.index(stage), qr_smem.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
@@ -297,7 +316,7 @@ def _mla_gluon_swap(
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    base = ((q_start + m_r // heads).to(gl.int64) * heads + m_r % heads) * (num_splits + 1) + split
+    base = ((q_start + m_r // heads).to(gl.int64) * heads + m_r % heads) * num_splits + split
     rmask = m_r // heads < q_len
     gl.store(ws_m + base, m_i, mask=rmask)
     gl.store(ws_l + base, l_i, mask=rmask)
@@ -351,8 +370,8 @@ def tile_rows(rows_per_request: int) -> int:
 
 def launch(ql, qr, cache, query_start_loc, seq_lens, table, ws, flag, *, scale: float, mask,
            tiles: int, splits: int, block_m: int) -> None:
-    """The main launch: grid (batch x tiles, splits), writing splits 0..splits-1 of a
-    workspace with splits + 1 (the caller's tail launch writes the last)."""
+    """Grid (batch x tiles, splits), each program writing its split of the workspace
+    ``ws`` (o, m, l with ``splits`` splits) that ``combine`` merges."""
     kd, rd = descriptors(cache)
     num_blocks, block_size = cache.shape[:2]
     heads = ql.shape[1]
