@@ -204,11 +204,12 @@ def test_default_dispatch_takes_gluon_unless_a_triton_override_is_given(monkeypa
 
     monkeypatch.setattr(gluon_mod, "launch", chosen)
     gen = torch.Generator().manual_seed(5)
-    cache = torch.randn(2, 4, 40, generator=gen)
-    ql, qr = torch.randn(1, 2, 32, generator=gen), torch.randn(1, 2, 8, generator=gen)
-    call = dict(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-                seq_lens=torch.tensor([5], dtype=torch.int32),
-                block_table=torch.tensor([[1, 0]], dtype=torch.int32), scale=0.2)
+    cache = torch.randn(2, 4, 40, generator=gen).to(DEVICE)
+    ql = torch.randn(1, 2, 32, generator=gen).to(DEVICE)
+    qr = torch.randn(1, 2, 8, generator=gen).to(DEVICE)
+    call = dict(query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                seq_lens=torch.tensor([5], dtype=torch.int32, device=DEVICE),
+                block_table=torch.tensor([[1, 0]], dtype=torch.int32, device=DEVICE), scale=0.2)
     with pytest.raises(_Chosen, match="16"):  # 2 rows per request: the transposed kernel
         mla.paged_mla_latent(ql, qr, cache, **call)
     out = mla.paged_mla_latent(ql, qr, cache, **call, block_m=16)

@@ -56,10 +56,9 @@ def _extents(row, q_len, seq_len, draft, CAUSAL: gl.constexpr, HAS_DRAFT: gl.con
 
 
 @gluon.jit
-def _issue(kd, rd, kv_smem, kr_smem, bars, table_row, n0, stage, block_size, num_blocks, pred,
+def _issue(kd, rd, kv_smem, kr_smem, bars, page, n0, stage, block_size, num_blocks, pred,
            R: gl.constexpr):
-    """TMA copies of the 64-key tile at key n0 (one page holds it) into ring slot ``stage``."""
-    page = gl.load(table_row + n0 // block_size, mask=pred, other=0)
+    """TMA copies of the 64-key tile at key n0 (in block ``page``) into ring slot ``stage``."""
     page = gl.where((page < 0) | (page >= num_blocks), 0, page)  # flagged at compute time
     slot = page * block_size + n0 % block_size
     bar = bars.index(stage)
@@ -150,8 +149,10 @@ def _mla_gluon_fwd(
     n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
     for i in gl.static_range(STAGES):
-        _issue(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo + i * BLOCK_N, i, block_size,
-               num_blocks, i < n_tiles, R)
+        n_i = s_lo + i * BLOCK_N
+        page_i = gl.load(table_row + n_i // block_size, mask=i < n_tiles, other=0)
+        _issue(kd, rd, kv_smem, kr_smem, bars, page_i, n_i, i, block_size, num_blocks,
+               i < n_tiles, R)
 
     qk_scale = scale * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=srow)
@@ -165,6 +166,11 @@ def _mla_gluon_fwd(
         stage = it % STAGES
         n0 = s_lo + it * BLOCK_N
         page = gl.load(table_row + n0 // block_size)
+        # the block id of the tile this slot takes next, read early: its latency is not
+        # paid between the slot's release and the next copy
+        refill = it + STAGES < n_tiles
+        page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
+                            other=0)
         bad = (page < 0) | (page >= num_blocks)
         gl.store(flag_ptr, 1, mask=bad)
         gl.store(flag_ptr + 1, page, mask=bad)
@@ -191,8 +197,8 @@ def _mla_gluon_fwd(
         acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()  # both warpgroups are done with this slot and with P
-        _issue(kd, rd, kv_smem, kr_smem, bars, table_row, n0 + STAGES * BLOCK_N, stage,
-               block_size, num_blocks, it + STAGES < n_tiles, R)
+        _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+               block_size, num_blocks, refill, R)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -273,8 +279,10 @@ def _mla_gluon_swap(
     n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
     for i in gl.static_range(STAGES):
-        _issue(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo + i * BLOCK_N, i, block_size,
-               num_blocks, i < n_tiles, R)
+        n_i = s_lo + i * BLOCK_N
+        page_i = gl.load(table_row + n_i // block_size, mask=i < n_tiles, other=0)
+        _issue(kd, rd, kv_smem, kr_smem, bars, page_i, n_i, i, block_size, num_blocks,
+               i < n_tiles, R)
 
     qk_scale = scale * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
@@ -286,6 +294,11 @@ def _mla_gluon_swap(
         stage = it % STAGES
         n0 = s_lo + it * BLOCK_N
         page = gl.load(table_row + n0 // block_size)
+        # the block id of the tile this slot takes next, read early: its latency is not
+        # paid between the slot's release and the next copy
+        refill = it + STAGES < n_tiles
+        page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
+                            other=0)
         bad = (page < 0) | (page >= num_blocks)
         gl.store(flag_ptr, 1, mask=bad)
         gl.store(flag_ptr + 1, page, mask=bad)
@@ -311,8 +324,8 @@ def _mla_gluon_swap(
         acc = warpgroup_mma(kv.permute((1, 0)), pt_smem, acc * alpha[None, :], is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()  # every warp is done with this slot and with P
-        _issue(kd, rd, kv_smem, kr_smem, bars, table_row, n0 + STAGES * BLOCK_N, stage,
-               block_size, num_blocks, it + STAGES < n_tiles, R)
+        _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+               block_size, num_blocks, refill, R)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
