@@ -148,11 +148,13 @@ def _mla_gluon_fwd(
     t_hi = gl.minimum(s_lo + per, kv_hi)
     n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
-    for i in gl.static_range(STAGES):
-        n_i = s_lo + i * BLOCK_N
-        page_i = gl.load(table_row + n_i // block_size, mask=i < n_tiles, other=0)
-        _issue(kd, rd, kv_smem, kr_smem, bars, page_i, n_i, i, block_size, num_blocks,
-               i < n_tiles, R)
+    gl.static_assert(STAGES == 2)  # the block ids of the two tiles in the ring ride along
+    page_a = gl.load(table_row + s_lo // block_size, mask=n_tiles > 0, other=0)
+    page_b = gl.load(table_row + (s_lo + BLOCK_N) // block_size, mask=n_tiles > 1, other=0)
+    _issue(kd, rd, kv_smem, kr_smem, bars, page_a, s_lo, 0, block_size, num_blocks,
+           n_tiles > 0, R)
+    _issue(kd, rd, kv_smem, kr_smem, bars, page_b, s_lo + BLOCK_N, 1, block_size, num_blocks,
+           n_tiles > 1, R)
 
     qk_scale = scale * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=srow)
@@ -165,9 +167,9 @@ def _mla_gluon_fwd(
     for it in range(n_tiles):
         stage = it % STAGES
         n0 = s_lo + it * BLOCK_N
-        page = gl.load(table_row + n0 // block_size)
-        # the block id of the tile this slot takes next, read early: its latency is not
-        # paid between the slot's release and the next copy
+        # block ids are read two tiles ahead (the one this slot takes next, here), so no
+        # table read sits between a tile's arrival and its use or its slot's refill
+        page = page_a
         refill = it + STAGES < n_tiles
         page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
                             other=0)
@@ -199,6 +201,8 @@ def _mla_gluon_fwd(
         gl.thread_barrier()  # both warpgroups are done with this slot and with P
         _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
                block_size, num_blocks, refill, R)
+        page_a = page_b
+        page_b = page_next
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -278,11 +282,13 @@ def _mla_gluon_swap(
     t_hi = gl.minimum(s_lo + per, kv_hi)
     n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
-    for i in gl.static_range(STAGES):
-        n_i = s_lo + i * BLOCK_N
-        page_i = gl.load(table_row + n_i // block_size, mask=i < n_tiles, other=0)
-        _issue(kd, rd, kv_smem, kr_smem, bars, page_i, n_i, i, block_size, num_blocks,
-               i < n_tiles, R)
+    gl.static_assert(STAGES == 2)  # the block ids of the two tiles in the ring ride along
+    page_a = gl.load(table_row + s_lo // block_size, mask=n_tiles > 0, other=0)
+    page_b = gl.load(table_row + (s_lo + BLOCK_N) // block_size, mask=n_tiles > 1, other=0)
+    _issue(kd, rd, kv_smem, kr_smem, bars, page_a, s_lo, 0, block_size, num_blocks,
+           n_tiles > 0, R)
+    _issue(kd, rd, kv_smem, kr_smem, bars, page_b, s_lo + BLOCK_N, 1, block_size, num_blocks,
+           n_tiles > 1, R)
 
     qk_scale = scale * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
@@ -293,9 +299,9 @@ def _mla_gluon_swap(
     for it in range(n_tiles):
         stage = it % STAGES
         n0 = s_lo + it * BLOCK_N
-        page = gl.load(table_row + n0 // block_size)
-        # the block id of the tile this slot takes next, read early: its latency is not
-        # paid between the slot's release and the next copy
+        # block ids are read two tiles ahead (the one this slot takes next, here), so no
+        # table read sits between a tile's arrival and its use or its slot's refill
+        page = page_a
         refill = it + STAGES < n_tiles
         page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
                             other=0)
@@ -326,6 +332,8 @@ def _mla_gluon_swap(
         gl.thread_barrier()  # every warp is done with this slot and with P
         _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
                block_size, num_blocks, refill, R)
+        page_a = page_b
+        page_b = page_next
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
