@@ -1,25 +1,27 @@
-"""Paged absorbed MLA decode in Gluon for Hopper (sm_90): 64-row tiles, scores computed once.
+"""Paged absorbed MLA in Gluon for Hopper (sm_90): scores computed once per key tile.
 
 Why not ``tl.dot``: with 64 (query row, head) rows on 8 warps Triton gives the score product
 a [8, 1] warp layout, so both warpgroups compute the same 64 x 64 scores and the kernel is
 compute-bound at half the tensor-core rate (docs/kernels.md, MLA sections). Here the layouts
-are explicit: one CTA is one request x one 64-row tile x one KV split, 8 warps.
+are explicit. One program = one request x one row tile x one KV split.
 
-- scores S = Q K^T over the 576-wide entry ([4, 2] warps: each warpgroup 32 of the 64 keys,
-  so every score is computed once); the row maxima/sums cross the warpgroups in the
-  reductions;
-- P (bf16) goes through shared memory; O += P V is split by output columns ([4, 2] warps,
-  256 columns per warpgroup, fp32 accumulators in registers);
-- 64-key page tiles arrive by TMA (512 latent + 64 rope columns, NVMMA-swizzled) into a
-  2-stage ring guarded by mbarriers; the copy of tile i + 2 is issued as soon as tile i is
-  consumed.
+- ``_mla_gluon_fwd`` (more than 16 rows per request: 64-row tiles, 8 warps): scores
+  S = Q K^T over the 576-wide entry with [4, 2] warps (each warpgroup 32 of the 64 keys,
+  every score computed once; the row maxima cross the warpgroups in the reduction, row
+  sums stay per thread until the end); P (bf16) through shared memory; O += P V split by
+  output columns (each warpgroup 256 columns, fp32 accumulators in registers).
+- ``_mla_gluon_swap`` (<= 16 rows: decode with <= 16 heads): one warpgroup, keys on the
+  MMA's M side, so no row is padded to 64.
+- Both: 64-key page tiles arrive by TMA (512 latent + 64 rope columns, NVMMA-swizzled) in a
+  2-slot ring guarded by mbarriers; the copy of tile i + 2 is issued as soon as tile i is
+  consumed, with its block id read an iteration earlier.
 
 Scope: bf16/fp16 queries and cache of the same dtype, R = 512, P = 64, block sizes that are
-multiples of 64, causal / non-causal / draft-block masks. The partly written last tile of
-each sequence is loaded whole and its slots past the sequence zeroed in shared memory
-(unwritten slots may hold NaN, which a zero probability does not cancel in the value
-product), so one launch covers every key; the split-KV ``combine`` of the Triton kernels
-merges the splits.
+multiples of 64, causal / non-causal / draft-block masks (``supported`` says why not). The
+partly written last tile of each sequence is loaded whole and its slots past the sequence
+zeroed in shared memory (unwritten slots may hold NaN, which a zero probability does not
+cancel in the value product), so one launch covers every key; the split-KV ``combine`` of
+the Triton kernels merges the splits.
 """
 
 from __future__ import annotations
