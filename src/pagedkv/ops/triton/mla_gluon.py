@@ -83,6 +83,63 @@ def _zero_past_end(kv, n0, seq_len, BLOCK_N: gl.constexpr, R: gl.constexpr, z_l:
 
 
 @gluon.jit
+def _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt, stride_qh, stride_rt,
+             stride_rh, dt: gl.constexpr, BLOCK_M: gl.constexpr, R: gl.constexpr,
+             P: gl.constexpr, q_l: gl.constexpr):
+    """The tile's (query row, head) rows -> NVMMA shared memory, latent and rope parts (rows
+    past q_len: zeros)."""
+    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    rq = mq // heads
+    hq = mq % heads
+    tq = (q_start + rq).to(gl.int64)
+    qmask = (rq < q_len)[:, None]
+    cr = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
+    cp = gl.arange(0, P, layout=gl.SliceLayout(0, q_l))
+    q = gl.load(ql_ptr + tq[:, None] * stride_qt + hq[:, None] * stride_qh + cr[None, :],
+                mask=qmask, other=0.0)
+    q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, R], dt), q)
+    qr = gl.load(qr_ptr + tq[:, None] * stride_rt + hq[:, None] * stride_rh + cp[None, :],
+                 mask=qmask, other=0.0)
+    qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, P], dt), qr)
+    return q_smem, qr_smem
+
+
+@gluon.jit
+def _split_tiles(hi, split, num_splits, BLOCK_N: gl.constexpr):
+    """(first key, key tiles) of this split: [0, max hi) cut into num_splits BLOCK_N-aligned
+    pieces."""
+    kv_hi = gl.max(hi, 0)
+    per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = split * per
+    t_hi = gl.minimum(s_lo + per, kv_hi)
+    return s_lo, gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
+
+
+@gluon.jit
+def _ring_start(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, block_size,
+                num_blocks, BLOCK_N: gl.constexpr, R: gl.constexpr):
+    """Both ring slots' first copies; returns their block ids, which ride along the loop."""
+    page_a = gl.load(table_row + s_lo // block_size, mask=n_tiles > 0, other=0)
+    page_b = gl.load(table_row + (s_lo + BLOCK_N) // block_size, mask=n_tiles > 1, other=0)
+    _issue(kd, rd, kv_smem, kr_smem, bars, page_a, s_lo, 0, block_size, num_blocks,
+           n_tiles > 0, R)
+    _issue(kd, rd, kv_smem, kr_smem, bars, page_b, s_lo + BLOCK_N, 1, block_size, num_blocks,
+           n_tiles > 1, R)
+    return page_a, page_b
+
+
+@gluon.jit
+def _flag_bad(page, num_blocks, flag_ptr):
+    """A block id outside the cache: recorded for the host (its tile is masked out)."""
+    bad = (page < 0) | (page >= num_blocks)
+    gl.store(flag_ptr, 1, mask=bad)
+    gl.store(flag_ptr + 1, page, mask=bad)
+    return bad
+
+
+@gluon.jit
 def _mla_gluon_fwd(
     ql_ptr, qr_ptr, kd, rd, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
@@ -115,22 +172,8 @@ def _mla_gluon_fwd(
         return
     seq_len = gl.load(lens_ptr + b)
 
-    # queries -> NVMMA shared memory (rows past q_len: zeros)
-    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
-    rq = mq // heads
-    hq = mq % heads
-    tq = (q_start + rq).to(gl.int64)
-    qmask = (rq < q_len)[:, None]
-    cr = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
-    cp = gl.arange(0, P, layout=gl.SliceLayout(0, q_l))
-    q = gl.load(ql_ptr + tq[:, None] * stride_qt + hq[:, None] * stride_qh + cr[None, :],
-                mask=qmask, other=0.0)
-    q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, R], dt), q)
-    qr = gl.load(qr_ptr + tq[:, None] * stride_rt + hq[:, None] * stride_rh + cp[None, :],
-                 mask=qmask, other=0.0)
-    qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, P], dt), qr)
+    q_smem, qr_smem = _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt,
+                               stride_qh, stride_rt, stride_rh, dt, BLOCK_M, R, P, q_l)
     kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], kd.layout)
     kr_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, P], rd.layout)
     p_smem = gl.allocate_shared_memory(
@@ -141,22 +184,13 @@ def _mla_gluon_fwd(
     fence_async_shared()  # the queries' stores and the barriers' init, before async readers
     gl.thread_barrier()
 
-    # this split's keys: [0, kv_hi) in num_splits BLOCK_N-aligned pieces
     m_s = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=srow)
     hi = _extents(m_s // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
-    kv_hi = gl.max(hi, 0)
-    per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
-    s_lo = split * per
-    t_hi = gl.minimum(s_lo + per, kv_hi)
-    n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
+    s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
     gl.static_assert(STAGES == 2)  # the block ids of the two tiles in the ring ride along
-    page_a = gl.load(table_row + s_lo // block_size, mask=n_tiles > 0, other=0)
-    page_b = gl.load(table_row + (s_lo + BLOCK_N) // block_size, mask=n_tiles > 1, other=0)
-    _issue(kd, rd, kv_smem, kr_smem, bars, page_a, s_lo, 0, block_size, num_blocks,
-           n_tiles > 0, R)
-    _issue(kd, rd, kv_smem, kr_smem, bars, page_b, s_lo + BLOCK_N, 1, block_size, num_blocks,
-           n_tiles > 1, R)
+    page_a, page_b = _ring_start(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles,
+                                 block_size, num_blocks, BLOCK_N, R)
 
     qk_scale = scale * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=srow)
@@ -175,9 +209,7 @@ def _mla_gluon_fwd(
         refill = it + STAGES < n_tiles
         page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
                             other=0)
-        bad = (page < 0) | (page >= num_blocks)
-        gl.store(flag_ptr, 1, mask=bad)
-        gl.store(flag_ptr + 1, page, mask=bad)
+        bad = _flag_bad(page, num_blocks, flag_ptr)
         mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
         kv = kv_smem.index(stage)
         if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
@@ -251,21 +283,8 @@ def _mla_gluon_swap(
         return
     seq_len = gl.load(lens_ptr + b)
 
-    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
-    rq = mq // heads
-    hq = mq % heads
-    tq = (q_start + rq).to(gl.int64)
-    qmask = (rq < q_len)[:, None]
-    cr = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
-    cp = gl.arange(0, P, layout=gl.SliceLayout(0, q_l))
-    q = gl.load(ql_ptr + tq[:, None] * stride_qt + hq[:, None] * stride_qh + cr[None, :],
-                mask=qmask, other=0.0)
-    q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, R], dt), q)
-    qr = gl.load(qr_ptr + tq[:, None] * stride_rt + hq[:, None] * stride_rh + cp[None, :],
-                 mask=qmask, other=0.0)
-    qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, P], dt), qr)
+    q_smem, qr_smem = _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt,
+                               stride_qh, stride_rt, stride_rh, dt, BLOCK_M, R, P, q_l)
     kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], kd.layout)
     kr_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, P], rd.layout)
     pt_smem = gl.allocate_shared_memory(
@@ -278,19 +297,11 @@ def _mla_gluon_swap(
 
     m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
     hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
-    kv_hi = gl.max(hi, 0)
-    per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
-    s_lo = split * per
-    t_hi = gl.minimum(s_lo + per, kv_hi)
-    n_tiles = gl.maximum(gl.cdiv(t_hi - s_lo, BLOCK_N), 0)
+    s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
     gl.static_assert(STAGES == 2)  # the block ids of the two tiles in the ring ride along
-    page_a = gl.load(table_row + s_lo // block_size, mask=n_tiles > 0, other=0)
-    page_b = gl.load(table_row + (s_lo + BLOCK_N) // block_size, mask=n_tiles > 1, other=0)
-    _issue(kd, rd, kv_smem, kr_smem, bars, page_a, s_lo, 0, block_size, num_blocks,
-           n_tiles > 0, R)
-    _issue(kd, rd, kv_smem, kr_smem, bars, page_b, s_lo + BLOCK_N, 1, block_size, num_blocks,
-           n_tiles > 1, R)
+    page_a, page_b = _ring_start(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles,
+                                 block_size, num_blocks, BLOCK_N, R)
 
     qk_scale = scale * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
@@ -307,9 +318,7 @@ def _mla_gluon_swap(
         refill = it + STAGES < n_tiles
         page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
                             other=0)
-        bad = (page < 0) | (page >= num_blocks)
-        gl.store(flag_ptr, 1, mask=bad)
-        gl.store(flag_ptr + 1, page, mask=bad)
+        bad = _flag_bad(page, num_blocks, flag_ptr)
         mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
         kv = kv_smem.index(stage)
         if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
