@@ -53,7 +53,8 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
         else:
             sig[name] = "fp32" if name == "scale" else "i32"
     src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if swap else 8})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4 if swap else 8})
 
 
 def loop_spills(sass: str) -> int:
@@ -87,8 +88,8 @@ def report(kernel) -> dict:
     out.update({k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)})
     out["loop_spills"] = loop_spills(sass)
     ptx = kernel.asm["ptx"]
-    out["ptx"] = dict(collections.Counter(
-        re.findall(r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait)", ptx)))
+    kinds = r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait)"
+    out["ptx"] = dict(collections.Counter(re.findall(kinds, ptx)))
     return out
 
 

@@ -38,8 +38,8 @@ def compiled_for_sm90(mask: str, dtype: str, kernel: str = "rows") -> dict:
     functions process-wide)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    out = subprocess.run([sys.executable, str(SCRIPT), mask, dtype, kernel], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(SCRIPT), mask, dtype, kernel], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
