@@ -10,7 +10,7 @@ timed), torch flex_attention with a paged block mask, FlashInfer (tensor-core de
 paged prefill, MLA fa3) and FlashMLA (sgl-flash-mla, legacy SM90 dense path). ``relerr``
 is each output's relative Frobenius distance to pagedkv's triton output for that shape.
 
-Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md] [--graphs]
+Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md] [--graphs] [--gluon]
 (pagedkv's rows, and the GQA peers, also timed as CUDA-graph replays: no host launch path)
 GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers]
 [--gqa-shapes BxCTX[xPAGE],...] (only these bf16 q1 decode shapes, default config and peers:
@@ -115,6 +115,9 @@ def record(case: str, name: str, fn, nbytes: int, ref: torch.Tensor | None, flop
     return out
 
 
+GLUON = [False]  # --gluon: MLA bf16 also with gluon=False / True and other splits
+GLUON_VARIANTS = [{"gluon": False}, {"gluon": True}, {"gluon": True, "splits": 1},
+                  {"gluon": True, "splits": 2}, {"gluon": True, "splits": 4}]
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
 
 
@@ -460,6 +463,12 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
         record_graphed(case, "pagedkv_triton", run, nbytes, flops)
         if TUNED.get(family):
             record_graphed(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, flops)
+    if fmt == "bf16" and GLUON[0]:  # Triton kernels forced, Gluon kernels at other splits
+        for over in GLUON_VARIANTS:
+            name = config_name(over)
+            fn = lambda over=over: run(**over)  # noqa: E731
+            if record(case, name, fn, nbytes, ref, flops) is not None and graph:
+                record_graphed(case, name, fn, nbytes, flops)
     if not peers or fmt != "bf16":
         return ref
     try:
@@ -517,6 +526,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
+    parser.add_argument("--gluon", action="store_true",
+                        help="MLA bf16: also gluon=False (Triton kernels) and gluon=True rows")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")
@@ -533,6 +544,7 @@ def main(argv=None) -> int:
         return 2
     torch.manual_seed(0)
     GRAPHS[0] = args.graphs
+    GLUON[0] = args.gluon
     COPY_GBS[0] = copy_bandwidth()
     dev = torch.cuda.get_device_name()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

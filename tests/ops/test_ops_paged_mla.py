@@ -259,8 +259,9 @@ def test_triton_rejects_a_bad_column_split():
 
 
 BF16_LAUNCHES = [  # (mask case, launch overrides); heads 16, rank 512 + 64, block size 64
-    ("causal", {}),  # 64-row TMA tiles
-    ("draft_block_7", {}),
+    ("causal", {}),  # the default: the Gluon kernels on Hopper, else the Triton ones
+    ("causal", dict(gluon=False)),  # 64-row TMA tiles
+    ("draft_block_7", dict(gluon=False)),
     ("causal", dict(block_m=16, swap=True, num_stages=3)),  # the decode tiles, transposed
 ]
 

@@ -440,25 +440,30 @@ def _paged_mla_tma(
 def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool) -> dict:
     """Launch config by shape family, chosen from benchmarks/attention.py's sweeps on the
     H200 (docs/kernels.md). bf16/fp16 with page tiles: the TMA kernel; <= 16 query rows per
-    request with keys on the MMA's M side (``swap``), more rows as 64-row tiles. fp8 caches:
+    request with keys on the MMA's M side (``swap``), more rows as 64-row tiles; with block
+    sizes that are multiples of 64, ``gluon`` (the Hopper kernels, where they run). fp8 caches:
     the pointer kernel (a TMA tile converted to bf16 in registers spills). ``waves``: programs
     per multiprocessor that the KV splits aim at (rounded down: a second partial wave cost
     more than it gained in the sweeps)."""
     if interpreting():
         return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
-                    dv_splits=1, num_warps=4, num_stages=2, waves=0.0, swap=False, tma=None)
+                    dv_splits=1, num_warps=4, num_stages=2, waves=0.0, swap=False, tma=None,
+                    gluon=False)
     if f32 or block_size % 32 or fp8:
         # float32 (reference-precision) path, fp8 caches, or blocks TMA tiles do not fit
         bm = 16 if fp8 else min(64, max(16, next_pow2(rows_per_request)))
         return dict(block_m=bm, block_n=16 if f32 else 32, dv_splits=2 if bm == 64 else 1,
                     num_warps=8 if bm == 64 else 4, num_stages=2, waves=2.0, swap=False,
-                    tma=False if fp8 else None)
+                    tma=False if fp8 else None, gluon=False)
     block_n = 64 if block_size % 64 == 0 else 32
+    # the Gluon kernels (mla_gluon) where they run: faster in every bf16 family measured
+    # (docs/kernels.md, "MLA, Gluon kernels")
+    gluon = block_size % 64 == 0
     if rows_per_request <= 16:
         return dict(block_m=16, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2,
-                    waves=1.0, swap=True, tma=True)
+                    waves=1.0, swap=True, tma=True, gluon=gluon)
     return dict(block_m=64, block_n=block_n, dv_splits=1, num_warps=8, num_stages=2, waves=1.0,
-                swap=False, tma=True)
+                swap=False, tma=True, gluon=gluon)
 
 
 def _splits(work_items: int, max_seq_len: int, waves: float) -> int:
@@ -519,6 +524,7 @@ def paged_mla_latent(
     dv_splits: int | None = None,
     swap: bool | None = None,
     tma: bool | None = None,
+    gluon: bool | None = None,
     check_blocks: bool = True,
 ) -> torch.Tensor:
     """o_latent [T, H, R] (float32; see ``pagedkv.ops.paged_mla.paged_mla_latent``).
@@ -527,7 +533,10 @@ def paged_mla_latent(
     ``splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``dv_splits`` (output
     column slices, each program recomputing the scores) and ``swap`` (keys on the MMA's M side:
     scores computed transposed), ``tma`` (page tiles through tensor descriptors; default: where
-    the layout allows) override the launch defaults.
+    the layout allows) override the launch defaults. ``gluon``: the Hopper Gluon kernels of
+    ``mla_gluon`` (default: where ``launch_defaults`` says so, no Triton override above is
+    given and ``mla_gluon.supported`` accepts the call, else the Triton kernels; True where
+    they cannot run raises; only ``splits`` applies to them).
     ``check_blocks=False`` skips reading back the out-of-cache flag (one host sync; it is
     also skipped inside CUDA-graph capture).
     """
@@ -568,6 +577,22 @@ def paged_mla_latent(
     f32 = interpreting() or q_latent.dtype == torch.float32
     cfg = launch_defaults(max(1, max_query_len) * heads, block_size, f32,
                           ds or is_fp8(latent_cache.dtype))
+    triton_knobs = (block_m, block_n, num_warps, num_stages, dv_splits, swap, tma)
+    if gluon is None:  # a Triton launch override selects the Triton kernels
+        use_gluon = cfg["gluon"] and all(k is None for k in triton_knobs)
+    else:
+        use_gluon = bool(gluon)
+    if use_gluon:
+        from pagedkv.ops.triton import mla_gluon
+
+        why = mla_gluon.supported(q_latent, q_rope, latent_cache, mask, latent_scale)
+        if why is not None and gluon:
+            raise InvalidArgumentError(f"gluon=True cannot run this call: {why}")
+        use_gluon = why is None
+    if use_gluon:  # fixed tiles: 64 keys; 16 rows (transposed, 4 warps) or 64 rows (8 warps)
+        block_m = mla_gluon.tile_rows(max(1, max_query_len) * heads)
+        block_n, dv_splits = 64, 1
+        cfg = dict(cfg, num_stages=2, waves=1.0)
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     dv_splits = dv_splits or cfg["dv_splits"]
@@ -605,8 +630,9 @@ def paged_mla_latent(
     # num_stages 1: the TMA kernel is not software-pipelined, and on the H200 it returned
     # wrong results at long contexts (docs/kernels.md, MLA section); auto picks the pointer kernel
     descs = _tma_descriptors(latent_cache, rank, block_p, block_n) if (
-        tma is not False and dv_splits <= 2 and block_size % block_n == 0 and stages >= 2) else None
-    if tma and descs is None:
+        not use_gluon and tma is not False and dv_splits <= 2 and block_size % block_n == 0
+        and stages >= 2) else None
+    if tma and descs is None and not use_gluon:
         raise InvalidArgumentError(
             f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2, "
             f"num_stages >= 2 (got {stages}) and 16-byte aligned, page-contiguous entries")
@@ -615,7 +641,10 @@ def paged_mla_latent(
             qr.stride(0), qr.stride(1), latent_cache.stride(0), latent_cache.stride(1),
             table.stride(0), num_blocks, block_size, heads, rope_dim)
     masks = (mask.window or 0, mask.chunk or 0, mask.draft_block or 0)
-    if batch and rows and descs is not None:
+    if batch and rows and use_gluon:  # one launch, every key (no tail launch)
+        mla_gluon.launch(ql, qr, latent_cache, query_start_loc, seq_lens, table, ws, flag,
+                         scale=scale, mask=mask, tiles=tiles, splits=splits, block_m=block_m)
+    elif batch and rows and descs is not None:
         kd, rd, rope_col = descs
         _paged_mla_tma[(batch * tiles * dv_splits, splits)](
             ql, qr, kd, rd, *views, *args, rope_col, scale, lscale_f, *masks, tiles, splits,

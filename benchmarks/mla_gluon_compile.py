@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Compile the Gluon MLA kernel for sm_90 on any machine (no GPU needed) and print, as one
+JSON line: shared memory bytes, registers / stack / local bytes per thread (cuobjdump), the
+local-memory accesses inside the key loop (SASS), and the count of each wgmma / TMA
+instruction kind in the PTX.
+
+Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full] [bf16|fp16]
+[rows|swap] (64-row tiles, or the transposed <= 16-row kernel)
+(run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from pagedkv.ops.triton import mla_gluon
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows"):
+    swap = kernel == "swap"
+    fn = mla_gluon._mla_gluon_swap if swap else mla_gluon._mla_gluon_fwd
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt))
+    const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
+                 BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
+                 HAS_DRAFT=mask == "draft")
+    q = "*bf16" if dtype == "bf16" else "*fp16"
+    ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
+            "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("kd", "rd"):
+            sig[name] = mangle_type(kd if name == "kd" else rd)
+        else:
+            sig[name] = "fp32" if name == "scale" else "i32"
+    src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4 if swap else 8})
+
+
+def loop_spills(sass: str) -> int:
+    """Local-memory loads/stores (STL/LDL) inside the longest conditional backward branch's
+    range, i.e. the key loop (an unconditional one is a wait's retry path jumping back in):
+    a stack only written before the loop and read after it costs no per-tile traffic."""
+    code = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2)))
+    loop = (0, -1)
+    for addr, ins in code:
+        t = re.match(r"@!?U?P\d\s+BRA\s+(0x[0-9a-f]+)", ins)  # conditional: a loop's own edge
+        if t and int(t.group(1), 16) < addr and addr - int(t.group(1), 16) > loop[1] - loop[0]:
+            loop = (int(t.group(1), 16), addr)
+    return sum(1 for addr, ins in code
+               if loop[0] <= addr <= loop[1] and re.search(r"\b(STL|LDL)", ins))
+
+
+def report(kernel) -> dict:
+    out = {"shared": kernel.metadata.shared}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path],
+                              capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+    out.update({k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)})
+    out["loop_spills"] = loop_spills(sass)
+    ptx = kernel.asm["ptx"]
+    kinds = r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait)"
+    out["ptx"] = dict(collections.Counter(re.findall(kinds, ptx)))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(report(compile_fwd(*sys.argv[1:]))))

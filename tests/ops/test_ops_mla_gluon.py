@@ -1,0 +1,218 @@
+"""The Gluon (Hopper) MLA kernel: compiled for sm_90 on any machine (shared memory, spills,
+the warpgroup split of both products), its dispatch, and on an H200 (PAGEDKV_TEST_DEVICE=cuda)
+its output against float64 attention over the latent."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+gluon_mod = pytest.importorskip("pagedkv.ops.triton.mla_gluon")
+
+from dense_reference import dense_mask, place_blocks, slots_of, test_device  # noqa: E402
+from kernel_cases import INTERPRETER_WARNINGS  # noqa: E402
+
+from pagedkv.errors import InvalidArgumentError  # noqa: E402
+from pagedkv.ops import Mask, fill_nan_, write_mla_latent  # noqa: E402
+from pagedkv.ops.triton.mla import launch_defaults, paged_mla_latent  # noqa: E402
+
+DEVICE = test_device()
+pytestmark = INTERPRETER_WARNINGS
+RANK, ROPE = 512, 64
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory one H100/H200 block may use
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mla_gluon_compile.py"
+
+
+def compiled_for_sm90(mask: str, dtype: str, kernel: str = "rows") -> dict:
+    """benchmarks/mla_gluon_compile.py's report: the kernel compiled for sm_90 by the real
+    compiler (no GPU needed), in a process without TRITON_INTERPRET (which replaces the JIT
+    functions process-wide)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, str(SCRIPT), mask, dtype, kernel], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mask,dtype", [("causal", "bf16"), ("draft", "bf16"), ("full", "fp16")])
+def test_compiles_for_sm90_within_shared_memory_without_spills(mask, dtype):
+    use = compiled_for_sm90(mask, dtype)
+    assert 0 < use["shared"] <= SHARED_LIMIT, use
+    assert use["STACK"] == 0 and use["LOCAL"] == 0 and use["loop_spills"] == 0, use
+    assert 0 < use["REG"] <= 255, use
+    kind = "bf16" if dtype == "bf16" else "f16"
+    # scores: each warpgroup 32 keys (m64n32) over 512 + 64 columns = 36 instructions, once;
+    # values: each warpgroup 256 output columns (m64n256) over 64 keys = 4 instructions
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n32k16.f32.{kind}.{kind}") == 36, use
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{kind}.{kind}") == 4, use
+    assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
+
+
+@pytest.mark.parametrize("mask,dtype", [("causal", "bf16"), ("draft", "fp16")])
+def test_transposed_kernel_compiles_for_sm90_within_shared_memory_without_spills(mask, dtype):
+    use = compiled_for_sm90(mask, dtype, "swap")
+    assert 0 < use["shared"] <= SHARED_LIMIT, use
+    # 255 registers: a few values are parked on the stack before the key loop and read back
+    # after it; nothing spills inside the loop
+    assert use["loop_spills"] == 0 and use["LOCAL"] == 0 and use["STACK"] <= 64, use
+    kind = "bf16" if dtype == "bf16" else "f16"
+    # scores: 64 keys x 16 rows over 576 columns = 36; values: 512 output columns (8 x m64)
+    # over 64 keys (4 x k16) = 32; nothing padded to 64 rows
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n16k16.f32.{kind}.{kind}") == 68, use
+    assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
+
+
+def test_rows_per_program():
+    assert [gluon_mod.tile_rows(r) for r in (1, 8, 16, 17, 112, 128)] == [16, 16, 16, 64, 64, 64]
+
+
+def _latent_case(seq_lens, q_lens, heads, block_size, dtype, seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3
+    table = place_blocks(needed, num_blocks, rng)  # shuffled free list
+    cache = fill_nan_(torch.empty(num_blocks, block_size, RANK + ROPE, dtype=dtype, device=DEVICE))
+    lat = [(torch.randn(s, RANK + ROPE, generator=gen) * 0.5).to(dtype) for s in seq_lens]
+    slots = [x for b, s in enumerate(seq_lens) for x in slots_of(table[b], range(s), block_size)]
+    flat = torch.cat(lat).to(DEVICE)
+    write_mla_latent(flat[:, :RANK], flat[:, RANK:], cache, torch.tensor(slots, device=DEVICE))
+    rows = sum(q_lens)
+    q_lat = (torch.randn(rows, heads, RANK, generator=gen) / 8).to(dtype)
+    q_rope = (torch.randn(rows, heads, ROPE, generator=gen) / 8).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return cache, table, lat, q_lat, q_rope, qsl, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def _float64_latent_attention(q_lat, q_rope, lat, seq_len, q_len, mask, scale):
+    """softmax(scale (q_lat . c + q_rope . k_rope)) @ c in float64, masked as dense_mask says."""
+    q = torch.cat([q_lat, q_rope], -1).double()  # [q_len, H, R + P]
+    kv = lat.double()
+    s = torch.einsum("thd,kd->thk", q, kv) * scale
+    seen = dense_mask(seq_len, q_len, causal=mask.causal, draft_block=mask.draft_block)
+    s = s.masked_fill(~seen[:, None, :], float("-inf"))
+    return torch.softmax(s, -1) @ kv[:, :RANK]
+
+
+GPU_CASES = [  # (heads, q_lens, seq_lens, mask, block size, splits)
+    (16, [1] * 6, [130, 64, 1000, 2113, 1, 500], Mask(), 64, None),
+    (16, [1] * 4, [4097, 63, 640, 2000], Mask(), 128, 3),
+    (16, [7] * 5, [7, 71, 1000, 2113, 640], Mask(causal=False, draft_block=7), 64, None),
+    (16, [7] * 5, [7, 71, 1000, 2113, 640], Mask(), 64, 2),
+    (16, [7, 1, 7, 3], [900, 65, 130, 2000], Mask(causal=False), 64, None),
+    (128, [1] * 4, [130, 1000, 2113, 64], Mask(), 64, None),
+    (128, [7] * 3, [71, 1000, 2113], Mask(causal=False, draft_block=7), 64, 2),
+    (128, [7] * 3, [71, 1000, 513], Mask(), 128, None),
+    # <= 16 rows per request: the transposed kernel (16-row tiles, padded rows past q_len x H)
+    (8, [2, 1, 2, 2], [300, 64, 1500, 129], Mask(), 64, None),
+    (4, [3] * 3, [200, 3, 1025], Mask(causal=False, draft_block=3), 128, 2),
+]
+
+
+@pytest.mark.parametrize("heads,q_lens,seq_lens,mask,block_size,splits", GPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_matches_float64_latent_attention(heads, q_lens, seq_lens, mask, block_size, splits,
+                                                dtype):
+    if DEVICE.type != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
+    cache, table, lat, q_lat, q_rope, qsl, lens = _latent_case(seq_lens, q_lens, heads, block_size,
+                                                               dtype, seed=len(seq_lens) + heads)
+    scale = 1 / math.sqrt(192)
+    got = paged_mla_latent(q_lat.to(DEVICE), q_rope.to(DEVICE), cache, qsl.to(DEVICE),
+                           lens.to(DEVICE), table.to(DEVICE), scale=scale, mask=mask, gluon=True,
+                           splits=splits).double().cpu()
+    assert not bool(got.isnan().any())
+    start = 0
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        rows = slice(start, start + q_len)
+        want = _float64_latent_attention(q_lat[rows], q_rope[rows], lat[b], seq_len, q_len, mask,
+                                         scale)
+        torch.testing.assert_close(got[rows], want, rtol=1e-2, atol=1e-2)
+        start += q_len
+
+
+def _cpu_call(**over):
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 64, RANK + ROPE, generator=gen).bfloat16()
+    args = dict(q_latent=torch.randn(1, 16, RANK, generator=gen).bfloat16(),
+                q_rope=torch.randn(1, 16, ROPE, generator=gen).bfloat16(), cache=cache,
+                mask=Mask(), latent_scale=None)
+    args.update(over)
+    return gluon_mod.supported(**args)
+
+
+def test_supported_names_what_it_refuses():
+    assert "Hopper" in _cpu_call()  # a CPU tensor: everything else fits
+    assert "cache" in _cpu_call(cache=torch.zeros(2, 64, RANK + ROPE, dtype=torch.float8_e4m3fn))
+    assert "queries" in _cpu_call(q_latent=torch.zeros(1, 16, RANK))
+    assert "512 + 64" in _cpu_call(q_rope=None)
+    assert "block size 16" in _cpu_call(cache=torch.zeros(8, 16, RANK + ROPE).bfloat16())
+    assert "window" in _cpu_call(mask=Mask(window=128))
+    assert "scale" in _cpu_call(latent_scale=0.5) or "cache" in _cpu_call(latent_scale=0.5)
+    every_other_page = torch.zeros(4, 64, RANK + ROPE).bfloat16()[::2]
+    assert "page-contiguous" in _cpu_call(cache=every_other_page)
+
+
+def test_gluon_by_default_for_bf16_page_tiles_only(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # (rows per request, block size, float32 queries, fp8 cache) -> gluon by default
+    assert launch_defaults(16, 64, False, False)["gluon"] is True
+    assert launch_defaults(128, 128, False, False)["gluon"] is True
+    assert launch_defaults(128, 32, False, False)["gluon"] is False
+    assert launch_defaults(128, 64, True, False)["gluon"] is False
+    assert launch_defaults(16, 64, False, True)["gluon"] is False
+
+
+def test_gluon_true_refused_off_hopper_and_default_off_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert launch_defaults(128, 64, True, False)["gluon"] is False
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 64, RANK + ROPE, generator=gen).bfloat16()
+    ql = torch.randn(1, 16, RANK, generator=gen).bfloat16()
+    qr = torch.randn(1, 16, ROPE, generator=gen).bfloat16()
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match="gluon=True"):
+        paged_mla_latent(ql, qr, cache, qsl, torch.tensor([70], dtype=torch.int32),
+                         torch.tensor([[0, 1]], dtype=torch.int32), scale=0.1, gluon=True)
+
+
+class _Chosen(Exception):
+    pass
+
+
+def test_default_dispatch_takes_gluon_unless_a_triton_override_is_given(monkeypatch):
+    """Where launch_defaults says gluon and the kernel accepts the call, a default call
+    launches it; a Triton launch override (block_m, swap, ...) keeps the Triton kernels."""
+    import pagedkv.ops.triton.mla as mla
+
+    real = mla.launch_defaults
+    monkeypatch.setattr(mla, "launch_defaults", lambda *a: dict(real(*a), gluon=True))
+    monkeypatch.setattr(gluon_mod, "supported", lambda *a: None)
+
+    def chosen(*a, **k):
+        raise _Chosen(k["block_m"])
+
+    monkeypatch.setattr(gluon_mod, "launch", chosen)
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 4, 40, generator=gen).to(DEVICE)
+    ql = torch.randn(1, 2, 32, generator=gen).to(DEVICE)
+    qr = torch.randn(1, 2, 8, generator=gen).to(DEVICE)
+    call = dict(query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                seq_lens=torch.tensor([5], dtype=torch.int32, device=DEVICE),
+                block_table=torch.tensor([[1, 0]], dtype=torch.int32, device=DEVICE), scale=0.2)
+    with pytest.raises(_Chosen, match="16"):  # 2 rows per request: the transposed kernel
+        mla.paged_mla_latent(ql, qr, cache, **call)
+    out = mla.paged_mla_latent(ql, qr, cache, **call, block_m=16)
+    assert out.shape == (1, 2, 32) and bool(out.isfinite().all())
+    out2 = mla.paged_mla_latent(ql, qr, cache, **call, gluon=False)
+    torch.testing.assert_close(out2, out)
