@@ -356,3 +356,34 @@ def test_triton_kernels_read_padded_steps_alike(name):
         a, b = [run(hf, ps, options(metadata=m, max_batched_tokens=8), new=4)
                 for m in ("persistent", "stateless")]
     same_outputs(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["llama-3-8b", "deepseek-v3"])
+def test_engine_on_the_test_device_derives_steps_and_matches_transformers(device, backend, name):
+    """CUDA only (PAGEDKV_TEST_DEVICE=cuda): the engine with its default metadata path
+    (steady decode steps derived on the device by the Triton kernel) generates the stateless
+    engine's tokens, takes derived steps, and its logits stay within the engine tests'
+    tolerance of transformers' dense forward on the same device."""
+    if device.type != "cuda":
+        pytest.skip("derived steps on the device need CUDA (CPU runs are the tests above)")
+    from engine_check import TOL
+
+    from pagedkv import ops
+
+    hf = tiny_model(name).to(device)
+    ps = prompts(hf.config.vocab_size, (5, 17, 33, 9, 60, 3), seed=3)
+    kw = dict(device=str(device), max_model_len=128, block_size=16, kv_cache_bytes=1 << 24,
+              checked=False)
+    with ops.use_backend(backend):
+        got = run(hf, ps, options(**kw), new=24)
+        want = run(hf, ps, options(metadata="stateless", **kw), new=24)
+    assert got.runner.sync.builder.derived_steps > 0
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    for out in got.outputs:
+        seq = out.prompt_token_ids + out.token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq], device=device)).logits[0].float()
+        for p, row in got.logits[out.rid]:
+            diff = float((row.to(device) - ref[p]).abs().max())
+            assert diff <= TOL, (out.rid, p, diff)
