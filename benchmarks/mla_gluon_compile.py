@@ -5,7 +5,8 @@ local-memory accesses inside the key loop (SASS), and the count of each wgmma / 
 instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full] [bf16|fp16]
-[rows|swap] (64-row tiles, or the transposed <= 16-row kernel)
+[rows|overlap|swap] (64-row tiles, the same with the value product left in flight,
+or the transposed <= 16-row kernel)
 (run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
 """
 
@@ -38,6 +39,8 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
     const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
                  BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
                  HAS_DRAFT=mask == "draft")
+    if not swap:
+        const["OVERLAP"] = kernel == "overlap"
     q = "*bf16" if dtype == "bf16" else "*fp16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
