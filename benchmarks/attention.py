@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import sys
 import time
 import traceback
@@ -116,7 +117,10 @@ def record(case: str, name: str, fn, nbytes: int, ref: torch.Tensor | None, flop
 
 
 GLUON = [False]  # --gluon: MLA bf16 also with gluon=False / True and other splits
-GLUON_VARIANTS = [{"gluon": False}, {"gluon": "serial"}, {"gluon": "overlap"}]
+# (PAGEDKV_BENCH_GLUON_VARIANTS: a comma list of the 64-row variants to time, default all)
+GLUON_VARIANTS = [{"gluon": False}] + [
+    {"gluon": v} for v in os.environ.get("PAGEDKV_BENCH_GLUON_VARIANTS",
+                                         "serial,overlap,pingpong").split(",") if v]
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
 
 
