@@ -291,6 +291,7 @@ def test_kept_plans_never_serve_another_cache_shape_or_option(monkeypatch):
     TMA descriptors embed it); the cache's values may change."""
     import pagedkv.ops.triton.mla as mla
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check
     real = mla.launch_defaults
     monkeypatch.setattr(mla, "launch_defaults", lambda *a: dict(real(*a), gluon=True))
     monkeypatch.setattr(gluon_mod, "supported", lambda *a: None)
