@@ -26,14 +26,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from pagedkv.ops.triton import mla_gluon
+from pagedkv.ops.triton import mla_gluon, mla_gluon_pp
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows"):
     swap = kernel == "swap"
-    fn = {"swap": mla_gluon._mla_gluon_swap, "pingpong": mla_gluon._mla_gluon_pp}.get(
+    fn = {"swap": mla_gluon._mla_gluon_swap, "pingpong": mla_gluon_pp._mla_gluon_pp}.get(
         kernel, mla_gluon._mla_gluon_fwd)
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
     kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt))
@@ -59,7 +59,7 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
     src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
     options = {"num_warps": 4 if kernel in ("swap", "pingpong") else 8}
     if kernel == "pingpong":
-        options["maxnreg"] = mla_gluon.PP_MAXNREG
+        options["maxnreg"] = mla_gluon_pp.PP_MAXNREG
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

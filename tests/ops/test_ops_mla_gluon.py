@@ -25,6 +25,7 @@ from pagedkv.errors import InvalidArgumentError  # noqa: E402
 from pagedkv.ops import Mask, fill_nan_, write_mla_latent  # noqa: E402
 from pagedkv.ops.masks import CAUSAL  # noqa: E402
 from pagedkv.ops.triton.mla import launch_defaults, paged_mla_latent  # noqa: E402
+from pagedkv.ops.triton.mla_gluon_pp import PP_MAXNREG  # noqa: E402
 
 DEVICE = test_device()
 pytestmark = INTERPRETER_WARNINGS
@@ -71,7 +72,7 @@ def test_pingpong_kernel_compiles_for_sm90_within_shared_memory(mask, dtype):
     wanted: docs/kernels.md)."""
     use = compiled_for_sm90(mask, dtype, "pingpong")
     assert 0 < use["shared"] <= SHARED_LIMIT, use
-    assert use["REG"] == gluon_mod.PP_MAXNREG and use["LOCAL"] == 0 and use["STACK"] <= 512, use
+    assert use["REG"] == PP_MAXNREG and use["LOCAL"] == 0 and use["STACK"] <= 512, use
     kind = "bf16" if dtype == "bf16" else "f16"
     assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}.{kind}") == 108, use
     assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{kind}.{kind}") == 28, use
