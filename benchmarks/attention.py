@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import sys
 import time
 import traceback
@@ -116,8 +117,10 @@ def record(case: str, name: str, fn, nbytes: int, ref: torch.Tensor | None, flop
 
 
 GLUON = [False]  # --gluon: MLA bf16 also with gluon=False / True and other splits
-GLUON_VARIANTS = [{"gluon": False}, {"gluon": True}, {"gluon": True, "splits": 1},
-                  {"gluon": True, "splits": 2}, {"gluon": True, "splits": 4}]
+# (PAGEDKV_BENCH_GLUON_VARIANTS: a comma list of the 64-row variants to time, default all)
+GLUON_VARIANTS = [{"gluon": False}] + [
+    {"gluon": v} for v in os.environ.get("PAGEDKV_BENCH_GLUON_VARIANTS",
+                                         "serial,overlap,pingpong").split(",") if v]
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
 
 
@@ -463,7 +466,15 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
         record_graphed(case, "pagedkv_triton", run, nbytes, flops)
         if TUNED.get(family):
             record_graphed(case, tuned_name(family), lambda: run(**TUNED[family]), nbytes, flops)
-    if fmt == "bf16" and GLUON[0]:  # Triton kernels forced, Gluon kernels at other splits
+    if fmt == "bf16" and GLUON[0]:  # Triton kernels forced, each 64-row Gluon variant
+        if graph:  # the eager host path without the kept launch plan (rebuilt every call)
+            from pagedkv.ops.triton import mla as triton_mla
+
+            def cold():
+                triton_mla._GLUON_PLANS.clear()
+                return run()
+            print(f"# {case} pagedkv_triton plan rebuilt every call: host {host_us(cold):.1f} us "
+                  "per eager call", flush=True)
         for over in GLUON_VARIANTS:
             name = config_name(over)
             fn = lambda over=over: run(**over)  # noqa: E731
@@ -527,7 +538,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
     parser.add_argument("--gluon", action="store_true",
-                        help="MLA bf16: also gluon=False (Triton kernels) and gluon=True rows")
+                        help="MLA bf16: also gluon=False (Triton kernels) and each 64-row Gluon variant")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")

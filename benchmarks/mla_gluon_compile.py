@@ -5,7 +5,8 @@ local-memory accesses inside the key loop (SASS), and the count of each wgmma / 
 instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full] [bf16|fp16]
-[rows|swap] (64-row tiles, or the transposed <= 16-row kernel)
+[rows|overlap|pingpong|swap] (64-row tiles; the same with the value product left in
+flight; the warp-specialized ping-pong kernel; the transposed <= 16-row kernel)
 (run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
 """
 
@@ -25,19 +26,22 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from pagedkv.ops.triton import mla_gluon
+from pagedkv.ops.triton import mla_gluon, mla_gluon_pp
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows"):
     swap = kernel == "swap"
-    fn = mla_gluon._mla_gluon_swap if swap else mla_gluon._mla_gluon_fwd
+    fn = {"swap": mla_gluon._mla_gluon_swap, "pingpong": mla_gluon_pp._mla_gluon_pp}.get(
+        kernel, mla_gluon._mla_gluon_fwd)
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
     kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt))
     const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
                  BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
                  HAS_DRAFT=mask == "draft")
+    if kernel in ("rows", "overlap"):
+        const["OVERLAP"] = kernel == "overlap"
     q = "*bf16" if dtype == "bf16" else "*fp16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
@@ -53,8 +57,10 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
         else:
             sig[name] = "fp32" if name == "scale" else "i32"
     src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4 if swap else 8})
+    options = {"num_warps": 4 if kernel in ("swap", "pingpong") else 8}
+    if kernel == "pingpong":
+        options["maxnreg"] = mla_gluon_pp.PP_MAXNREG
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def loop_spills(sass: str) -> int:

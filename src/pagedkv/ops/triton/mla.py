@@ -502,6 +502,41 @@ def _tma_descriptors(cache: torch.Tensor, rank: int, block_p: int, block_n: int)
     return kd, rd, rope_col
 
 
+_GLUON_PLANS: dict[tuple, object] = {}
+_MAX_PLANS = 64  # (each holds its cache alive through the descriptors; cleared when full)
+
+
+def _gluon_key(q_latent, q_rope, cache, query_start_loc, seq_lens, block_table, scale, mask,
+               latent_scale, max_query_len, max_seq_len, splits, gluon, variant) -> tuple:
+    """Everything a Gluon call's checks and launch depend on, tensor values aside; the cache's
+    address too (the TMA descriptors embed it). ``max_seq_len`` as far as ``_splits`` reads it."""
+    return (
+        q_latent.shape, q_latent.stride(), q_latent.dtype, q_latent.device,
+        None if q_rope is None else (q_rope.shape, q_rope.stride(), q_rope.dtype, q_rope.device),
+        cache.shape, cache.stride(), cache.dtype, cache.device, cache.data_ptr(),
+        query_start_loc.shape, query_start_loc.dtype, query_start_loc.device,
+        seq_lens.shape, seq_lens.dtype, seq_lens.device, block_table.stride(),
+        block_table.dtype, block_table.device, scale, mask,
+        latent_scale if not isinstance(latent_scale, torch.Tensor) else "tensor",
+        max_query_len, min(64, -(-max_seq_len // 256)), splits, gluon, variant, interpreting(),
+    )
+
+
+def _run_gluon(plan, q_latent, q_rope, cache, query_start_loc, seq_lens, block_table,
+               check_blocks):
+    """A cached Gluon plan's call: output, flag, launches, the flag's read-back."""
+    rows, heads, rank = q_latent.shape
+    out = torch.empty(rows, heads, rank, dtype=torch.float32, device=q_latent.device)
+    flag = torch.zeros(2, dtype=torch.int32, device=q_latent.device)
+    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    ql = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    qr = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    plan(ql, qr, query_start_loc, seq_lens, table, flag, out)
+    if check_blocks:
+        raise_on_bad_block(flag, cache.shape[0])
+    return out
+
+
 def paged_mla_latent(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor | None,
@@ -524,7 +559,7 @@ def paged_mla_latent(
     dv_splits: int | None = None,
     swap: bool | None = None,
     tma: bool | None = None,
-    gluon: bool | None = None,
+    gluon: bool | str | None = None,
     check_blocks: bool = True,
 ) -> torch.Tensor:
     """o_latent [T, H, R] (float32; see ``pagedkv.ops.paged_mla.paged_mla_latent``).
@@ -536,11 +571,34 @@ def paged_mla_latent(
     the layout allows) override the launch defaults. ``gluon``: the Hopper Gluon kernels of
     ``mla_gluon`` (default: where ``launch_defaults`` says so, no Triton override above is
     given and ``mla_gluon.supported`` accepts the call, else the Triton kernels; True where
-    they cannot run raises; only ``splits`` applies to them).
+    they cannot run raises; only ``splits`` applies to them; a name from
+    ``mla_gluon.ROWS_VARIANTS`` is True with that variant of the 64-row kernel).
     ``check_blocks=False`` skips reading back the out-of-cache flag (one host sync; it is
-    also skipped inside CUDA-graph capture).
+    also skipped inside CUDA-graph capture). Given ``max_query_len`` and ``max_seq_len``, a
+    Gluon call keeps its launch plan (``mla_gluon.Plan``) keyed by every shape, stride,
+    dtype, device and option it depends on and the cache's address: a later call with the
+    same key skips the checks, the launch decisions and the descriptors' construction.
     """
     del compute_dtype  # the kernel accumulates in float32
+    variant = None
+    if isinstance(gluon, str):
+        from pagedkv.ops.triton import mla_gluon
+
+        if gluon not in mla_gluon.ROWS_VARIANTS:
+            raise InvalidArgumentError(
+                f"gluon={gluon!r}: a bool or one of {mla_gluon.ROWS_VARIANTS}")
+        variant, gluon = gluon, True
+    triton_knobs = (block_m, block_n, num_warps, num_stages, dv_splits, swap, tma)
+    key = None
+    if (max_query_len is not None and max_seq_len is not None and gluon is not False
+            and all(k is None for k in triton_knobs)):
+        key = _gluon_key(q_latent, q_rope, latent_cache, query_start_loc, seq_lens, block_table,
+                         scale, mask, latent_scale, max_query_len, max_seq_len, splits, gluon,
+                         variant)
+        plan = _GLUON_PLANS.get(key)
+        if plan is not None:  # these arguments passed every check below before
+            return _run_gluon(plan, q_latent, q_rope, latent_cache, query_start_loc, seq_lens,
+                              block_table, check_blocks)
     rows, heads, rank = q_latent.shape
     rope_dim = 0 if q_rope is None else q_rope.shape[-1]
     if q_rope is not None and q_rope.shape[:2] != q_latent.shape[:2]:
@@ -577,7 +635,6 @@ def paged_mla_latent(
     f32 = interpreting() or q_latent.dtype == torch.float32
     cfg = launch_defaults(max(1, max_query_len) * heads, block_size, f32,
                           ds or is_fp8(latent_cache.dtype))
-    triton_knobs = (block_m, block_n, num_warps, num_stages, dv_splits, swap, tma)
     if gluon is None:  # a Triton launch override selects the Triton kernels
         use_gluon = cfg["gluon"] and all(k is None for k in triton_knobs)
     else:
@@ -636,14 +693,23 @@ def paged_mla_latent(
         raise InvalidArgumentError(
             f"tma=True needs block_size % block_n == 0 ({block_size}, {block_n}), dv_splits <= 2, "
             f"num_stages >= 2 (got {stages}) and 16-byte aligned, page-contiguous entries")
-    ws = workspace(rows, heads, splits + (descs is not None), rank, q_latent.device)
-    args = (query_start_loc, seq_lens, table, *ws, lscale, flag, ql.stride(0), ql.stride(1),
+    ws = None if (use_gluon and batch and rows) else workspace(rows, heads, splits + (descs is not None), rank,
+                                          q_latent.device)
+    args = (query_start_loc, seq_lens, table, *(ws or ()), lscale, flag, ql.stride(0), ql.stride(1),
             qr.stride(0), qr.stride(1), latent_cache.stride(0), latent_cache.stride(1),
             table.stride(0), num_blocks, block_size, heads, rope_dim)
     masks = (mask.window or 0, mask.chunk or 0, mask.draft_block or 0)
     if batch and rows and use_gluon:  # one launch, every key (no tail launch)
-        mla_gluon.launch(ql, qr, latent_cache, query_start_loc, seq_lens, table, ws, flag,
-                         scale=scale, mask=mask, tiles=tiles, splits=splits, block_m=block_m)
+        made = mla_gluon.launch(ql, qr, latent_cache, query_start_loc, seq_lens, table, out,
+                                flag, scale=scale, mask=mask, tiles=tiles, splits=splits,
+                                block_m=block_m, variant=variant)
+        if key is not None:
+            if len(_GLUON_PLANS) >= _MAX_PLANS:
+                _GLUON_PLANS.clear()
+            _GLUON_PLANS[key] = made
+        if check_blocks:
+            raise_on_bad_block(flag, num_blocks)
+        return out
     elif batch and rows and descs is not None:
         kd, rd, rope_col = descs
         _paged_mla_tma[(batch * tiles * dv_splits, splits)](

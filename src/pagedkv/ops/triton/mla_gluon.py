@@ -10,6 +10,10 @@ are explicit. One program = one request x one row tile x one KV split.
   every score computed once; the row maxima cross the warpgroups in the reduction, row
   sums stay per thread until the end); P (bf16) through shared memory; O += P V split by
   output columns (each warpgroup 256 columns, fp32 accumulators in registers).
+  ``OVERLAP`` (``gluon="overlap"``) leaves each value product in flight behind the next
+  tile's scores; ``mla_gluon_pp`` holds a warp-specialized ping-pong variant
+  (``gluon="pingpong"``). Both measured slower than the default (docs/kernels.md, "MLA,
+  Gluon second pass").
 - ``_mla_gluon_swap`` (<= 16 rows: decode with <= 16 heads): one warpgroup, keys on the
   MMA's M side, so no row is padded to 64.
 - Both: 64-key page tiles arrive by TMA (512 latent + 64 rope columns, NVMMA-swizzled) in a
@@ -21,7 +25,9 @@ multiples of 64, causal / non-causal / draft-block masks (``supported`` says why
 partly written last tile of each sequence is loaded whole and its slots past the sequence
 zeroed in shared memory (unwritten slots may hold NaN, which a zero probability does not
 cancel in the value product), so one launch covers every key; the split-KV ``combine`` of
-the Triton kernels merges the splits.
+the Triton kernels merges the splits. ``plan`` fixes one call's launches (``Plan``: kernel
+and combine through ``pagedkv.launch.Launch``, the TMA descriptors built once), which
+``ops/triton/mla.py`` keeps per key for eager calls.
 """
 
 from __future__ import annotations
@@ -34,8 +40,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
+
+from pagedkv.launch import Launch
+from pagedkv.ops.triton.combine import combine_launch, workspace
 
 RANK, ROPE, BLOCK_M, BLOCK_N, STAGES = 512, 64, 64, 64, 2
 SWAP_ROWS = 16  # rows per program of the transposed kernel
@@ -141,14 +151,18 @@ def _flag_bad(page, num_blocks, flag_ptr):
 
 @gluon.jit
 def _mla_gluon_fwd(
-    ql_ptr, qr_ptr, kd, rd, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr,
+    ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
     num_blocks, block_size, heads, scale, draft, tiles, num_splits,
     R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+    OVERLAP: gl.constexpr = False,
 ):
     """Program (b x tile, split): rows tile*64.. of request b, this split's keys; writes
-    split ``split`` of the workspace."""
+    split ``split`` of the workspace. ``OVERLAP``: the value product of tile i is left in
+    flight and tile i + 1's score product queued right behind it (the tensor cores run
+    both back to back); the value product is waited for only then, and its slot refilled
+    (with tile i + 2) at the same point as without OVERLAP, after both warpgroups are done."""
     gl.static_assert(gl.num_warps() == 8)
     dt: gl.constexpr = kd.dtype
     # scores [64 rows, 64 keys]: warpgroup g computes keys 32g..32g+31
@@ -198,6 +212,8 @@ def _mla_gluon_fwd(
     # end: only the row maxima cross the warpgroups per tile
     l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
     acc = gl.zeros([BLOCK_M, R], gl.float32, layout=o_l)
+    if OVERLAP:  # carried through the loop as an in-flight value product
+        acc = warpgroup_mma_init(acc)
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
     kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
     for it in range(n_tiles):
@@ -216,6 +232,14 @@ def _mla_gluon_fwd(
             _zero_past_end(kv, n0, seq_len, BLOCK_N, R, z_l)
         s = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
+        if OVERLAP:
+            # the previous tile's value product (committed before these scores' two groups,
+            # latent and rope) is done; once both warpgroups are past here its slot and P
+            # are free: refill the slot with the tile after this one (block id: page_b)
+            acc = warpgroup_mma_wait(2, deps=[acc])
+            gl.thread_barrier()
+            _issue(kd, rd, kv_smem, kr_smem, bars, page_b, n0 + BLOCK_N, 1 - stage,
+                   block_size, num_blocks, (it > 0) & (it + 1 < n_tiles), R)
         s = warpgroup_mma_wait(0, deps=[s])
         keys = n0 + kn
         seen = (keys[None, :] < hi[:, None]) & (bad == 0)
@@ -231,12 +255,15 @@ def _mla_gluon_fwd(
         gl.thread_barrier()
         acc = acc * gl.convert_layout(alpha, orow)[:, None]
         acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()  # both warpgroups are done with this slot and with P
-        _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
-               block_size, num_blocks, refill, R)
+        if not OVERLAP:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            gl.thread_barrier()  # both warpgroups are done with this slot and with P
+            _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+                   block_size, num_blocks, refill, R)
         page_a = page_b
         page_b = page_next
+    if OVERLAP:
+        acc = warpgroup_mma_wait(0, deps=[acc])
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -253,7 +280,7 @@ def _mla_gluon_fwd(
 
 @gluon.jit
 def _mla_gluon_swap(
-    ql_ptr, qr_ptr, kd, rd, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr,
+    ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
     num_blocks, block_size, heads, scale, draft, tiles, num_splits,
     R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -400,18 +427,63 @@ def tile_rows(rows_per_request: int) -> int:
     return SWAP_ROWS if rows_per_request <= SWAP_ROWS else BLOCK_M
 
 
-def launch(ql, qr, cache, query_start_loc, seq_lens, table, ws, flag, *, scale: float, mask,
-           tiles: int, splits: int, block_m: int) -> None:
-    """Grid (batch x tiles, splits), each program writing its split of the workspace
-    ``ws`` (o, m, l with ``splits`` splits) that ``combine`` merges."""
+# 64-row kernel variants (``paged_mla_latent(gluon=...)`` names one): "serial" waits for each
+# tile's value product before the next tile's scores; "overlap" queues them back to back;
+# "pingpong" is the warp-specialized ``mla_gluon_pp._mla_gluon_pp``
+ROWS_VARIANTS = ("serial", "overlap", "pingpong")
+ROWS_DEFAULT = "serial"
+
+
+class Plan:
+    """One Gluon MLA call's launches, fixed by shapes, strides, dtypes, the cache's address
+    and the options (``plan``): the kernel and the combine as ``pagedkv.launch.Launch``es,
+    the workspace shape, and the two TMA descriptors, which embed the cache's base address
+    and keep the cache alive while the plan is cached (so no other tensor can take that
+    address and meet a stale descriptor)."""
+
+    __slots__ = ("kernel", "combine", "ws_shape", "descriptors")
+
+    def __init__(self, kernel, combine_, ws_shape, descs):
+        self.kernel, self.combine, self.ws_shape, self.descriptors = kernel, combine_, ws_shape, descs
+
+    def __call__(self, ql, qr, query_start_loc, seq_lens, table, flag, out) -> None:
+        ws = workspace(*self.ws_shape, ql.device, reuse=True)
+        self.kernel(ql, qr, query_start_loc, seq_lens, table, *ws, flag)
+        self.combine(*ws, out, query_start_loc, ws[1])
+
+
+def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, mask,
+         tiles: int, splits: int, block_m: int, variant: str | None = None) -> Plan:
+    """Grid (batch x tiles, splits), each program writing its split of a workspace of
+    ``splits`` splits that the combine merges into ``out``. Tensor values are not read."""
     kd, rd = descriptors(cache)
     num_blocks, block_size = cache.shape[:2]
-    heads = ql.shape[1]
+    rows, heads = ql.shape[:2]
     swap = block_m == SWAP_ROWS
-    kernel = _mla_gluon_swap if swap else _mla_gluon_fwd
-    kernel[(seq_lens.shape[0] * tiles, splits)](
-        ql, qr, kd, rd, query_start_loc, seq_lens, table, *ws, flag,
-        ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), table.stride(0),
-        num_blocks, block_size, heads, scale, mask.draft_block or 0, tiles, splits,
-        R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=mask.causal,
-        HAS_DRAFT=mask.draft_block is not None, num_warps=4 if swap else 8)
+    variant = variant or ROWS_DEFAULT
+    consts = dict(R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                  CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, num_warps=8)
+    if swap:
+        fn, consts["num_warps"] = _mla_gluon_swap, 4
+    elif variant == "pingpong":
+        from pagedkv.ops.triton.mla_gluon_pp import PP_MAXNREG, _mla_gluon_pp
+
+        fn, consts["num_warps"], consts["maxnreg"] = _mla_gluon_pp, 4, PP_MAXNREG
+    else:
+        fn, consts["OVERLAP"] = _mla_gluon_fwd, variant == "overlap"
+    kernel = Launch(fn,
+                    (seq_lens.shape[0] * tiles, splits), (
+                        kd, rd, ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1),
+                        table.stride(0), num_blocks, block_size, heads, scale,
+                        mask.draft_block or 0, tiles, splits), consts)
+    ws_shape = (rows, heads, splits, RANK)
+    return Plan(kernel, combine_launch(ws_shape, out, query_start_loc, None), ws_shape, (kd, rd))
+
+
+def launch(ql, qr, cache, query_start_loc, seq_lens, table, out, flag, *, scale: float, mask,
+           tiles: int, splits: int, block_m: int, variant: str | None = None) -> Plan:
+    """``plan`` for these arguments, run once; returned for the caller to keep."""
+    made = plan(ql, qr, cache, query_start_loc, seq_lens, table, out, scale=scale, mask=mask,
+                tiles=tiles, splits=splits, block_m=block_m, variant=variant)
+    made(ql, qr, query_start_loc, seq_lens, table, flag, out)
+    return made
