@@ -642,7 +642,8 @@ def paged_mla_latent(
     if use_gluon:
         from pagedkv.ops.triton import mla_gluon
 
-        why = mla_gluon.supported(q_latent, q_rope, latent_cache, mask, latent_scale)
+        why = mla_gluon.supported(q_latent, q_rope, latent_cache, mask, latent_scale,
+                                  max(1, max_query_len) * heads)
         if why is not None and gluon:
             raise InvalidArgumentError(f"gluon=True cannot run this call: {why}")
         use_gluon = why is None
@@ -702,7 +703,7 @@ def paged_mla_latent(
     if batch and rows and use_gluon:  # one launch, every key (no tail launch)
         made = mla_gluon.launch(ql, qr, latent_cache, query_start_loc, seq_lens, table, out,
                                 flag, scale=scale, mask=mask, tiles=tiles, splits=splits,
-                                block_m=block_m, variant=variant)
+                                block_m=block_m, variant=variant, latent_scale=latent_scale)
         if key is not None:
             if len(_GLUON_PLANS) >= _MAX_PLANS:
                 _GLUON_PLANS.clear()
