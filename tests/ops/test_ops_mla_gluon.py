@@ -305,14 +305,19 @@ def test_supported_names_what_it_refuses():
     assert "page-contiguous" in _cpu_call(cache=every_other_page)
 
 
-def test_gluon_by_default_for_bf16_page_tiles_only(monkeypatch):
+def test_gluon_by_default_for_page_tiles_bf16_or_few_row_fp8(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     # (rows per request, block size, float32 queries, fp8 cache) -> gluon by default
     assert launch_defaults(16, 64, False, False)["gluon"] is True
     assert launch_defaults(128, 128, False, False)["gluon"] is True
     assert launch_defaults(128, 32, False, False)["gluon"] is False
     assert launch_defaults(128, 64, True, False)["gluon"] is False
-    assert launch_defaults(16, 64, False, True)["gluon"] is False
+    # fp8 caches: the transposed (<= 16-row) kernel only, on blocks of multiples of 64
+    assert launch_defaults(16, 64, False, True)["gluon"] is True
+    assert launch_defaults(16, 128, False, True)["gluon"] is True
+    assert launch_defaults(17, 64, False, True)["gluon"] is False
+    assert launch_defaults(16, 32, False, True)["gluon"] is False
+    assert launch_defaults(16, 64, True, True)["gluon"] is False
 
 
 def test_gluon_true_refused_off_hopper_and_default_off_under_the_interpreter(monkeypatch):
