@@ -121,6 +121,9 @@ GLUON = [False]  # --gluon: MLA bf16 also with gluon=False / True and other spli
 GLUON_VARIANTS = [{"gluon": False}] + [
     {"gluon": v} for v in os.environ.get("PAGEDKV_BENCH_GLUON_VARIANTS",
                                          "serial,overlap,pingpong").split(",") if v]
+# PAGEDKV_BENCH_MLA_FAMILIES: a comma list of the MLA families to run (mla_q1, mla_rows,
+# mla_h128, mla_ds, mla_fp8; default all)
+MLA_FAMILIES = [f for f in os.environ.get("PAGEDKV_BENCH_MLA_FAMILIES", "").split(",") if f]
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
 
 
@@ -419,6 +422,8 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
              do_sweep=False, graph=False):
     """``family``: which TUNED entry this shape uses (swept here when ``do_sweep``);
     ``graph``: also time pagedkv's rows as CUDA-graph replays."""
+    if MLA_FAMILIES and family not in MLA_FAMILIES:
+        return None
     dev = "cuda"
     rank, rope = 512, 64
     case = f"mla B{batch} ctx{ctx} h{heads} q{q_len}{'' if q_len == 1 else ('c' if causal else 'nc')}" \
@@ -480,6 +485,11 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
             fn = lambda over=over: run(**over)  # noqa: E731
             if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                 record_graphed(case, name, fn, nbytes, flops)
+    if fmt == "fp8" and GLUON[0]:  # the Gluon kernel widening the fp8 tiles (gluon=True)
+        over = {"gluon": True}
+        fn = lambda: run(**over)  # noqa: E731
+        if record(case, config_name(over), fn, nbytes, ref, flops) is not None and graph:
+            record_graphed(case, config_name(over), fn, nbytes, flops)
     if not peers or fmt != "bf16":
         return ref
     try:
@@ -538,7 +548,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["gqa", "mla"], help="one family only")
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
     parser.add_argument("--gluon", action="store_true",
-                        help="MLA bf16: also gluon=False (Triton kernels) and each 64-row Gluon variant")
+                        help="MLA bf16: also gluon=False (Triton kernels) and each 64-row Gluon "
+                             "variant; MLA fp8: also gluon=True (the widening Gluon kernel)")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")

@@ -4,8 +4,8 @@ JSON line: shared memory bytes, registers / stack / local bytes per thread (cuob
 local-memory accesses inside the key loop (SASS), and the count of each wgmma / TMA
 instruction kind in the PTX.
 
-Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full] [bf16|fp16]
-[rows|overlap|pingpong|swap] (64-row tiles; the same with the value product left in
+Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full]
+[bf16|fp16|fp8] [rows|overlap|pingpong|swap] (fp8: an e4m3 cache, bf16 queries; swap only) (64-row tiles; the same with the value product left in
 flight; the warp-specialized ping-pong kernel; the transposed <= 16-row kernel)
 (run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
 """
@@ -35,14 +35,17 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
     swap = kernel == "swap"
     fn = {"swap": mla_gluon._mla_gluon_swap, "pingpong": mla_gluon_pp._mla_gluon_pp}.get(
         kernel, mla_gluon._mla_gluon_fwd)
-    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    fp8 = dtype == "fp8"  # an e4m3 cache, bf16 queries (the transposed kernel only)
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[dtype]
     kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt))
     const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
                  BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
                  HAS_DRAFT=mask == "draft")
     if kernel in ("rows", "overlap"):
         const["OVERLAP"] = kernel == "overlap"
-    q = "*bf16" if dtype == "bf16" else "*fp16"
+    if swap:
+        const["WIDEN"] = fp8
+    q = "*fp16" if dtype == "fp16" else "*bf16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
     sig, attrs = {}, {}
@@ -55,7 +58,7 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
         elif name in ("kd", "rd"):
             sig[name] = mangle_type(kd if name == "kd" else rd)
         else:
-            sig[name] = "fp32" if name == "scale" else "i32"
+            sig[name] = "fp32" if name in ("scale", "lscale") else "i32"
     src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
     options = {"num_warps": 4 if kernel in ("swap", "pingpong") else 8}
     if kernel == "pingpong":

@@ -94,6 +94,18 @@ def test_transposed_kernel_compiles_for_sm90_within_shared_memory_without_spills
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
 
 
+@pytest.mark.parametrize("mask", ["causal", "draft"])
+def test_fp8_transposed_kernel_compiles_for_sm90_without_spills(mask):
+    """An e4m3 cache: fp8 ring + one widened bf16 tile fit; the widening adds no spill and
+    the MMAs are the bf16 kernel's (36 score + 32 value m64n16k16)."""
+    use = compiled_for_sm90(mask, "fp8", "swap")
+    assert 0 < use["shared"] <= SHARED_LIMIT, use
+    assert use["loop_spills"] == 0 and use["LOCAL"] == 0 and use["STACK"] <= 64, use
+    assert use["ptx"].get("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == 68, use
+    assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
+    assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
+
+
 def test_rows_per_program():
     assert [gluon_mod.tile_rows(r) for r in (1, 8, 16, 17, 112, 128)] == [16, 16, 16, 64, 64, 64]
 
@@ -198,6 +210,74 @@ def test_kept_plan_matches_float64_on_every_call(heads, q_len, variant):
                                mask, scale)
 
 
+FP8_CASES = [  # (heads, q_lens, seq_lens, mask, block size, splits): <= 16 rows per request
+    (16, [1] * 6, [130, 64, 1000, 2113, 1, 500], Mask(), 64, None),
+    (16, [1] * 4, [4097, 63, 640, 2000], Mask(), 128, 3),
+    (8, [2, 1, 2, 2], [300, 64, 1500, 129], Mask(), 64, None),
+    (4, [3] * 3, [200, 3, 1025], Mask(causal=False, draft_block=3), 128, 2),
+    (16, [1] * 3, [65, 191, 777], Mask(causal=False), 64, 4),
+]
+
+
+@pytest.mark.parametrize("heads,q_lens,seq_lens,mask,block_size,splits", FP8_CASES)
+@pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
+def test_gluon_fp8_matches_float64_over_the_dequantized_latent(heads, q_lens, seq_lens, mask,
+                                                               block_size, splits, qdtype):
+    """A per-tensor e4m3 cache (unused pages NaN, shuffled table): the widening kernel
+    against float64 attention over what the cache holds (stored values x scale)."""
+    _needs_hopper()
+    seed = 7 * len(seq_lens) + heads + block_size
+    _, table, lat, q_lat, q_rope, qsl, lens = _latent_case(seq_lens, q_lens, heads, block_size,
+                                                           qdtype, seed=seed)
+    scale_fp8 = float(torch.cat(lat).float().abs().amax()) / 448 * 1.3  # not a power of two
+    cache = fill_nan_(torch.empty(int(table.max()) + 2, block_size, RANK + ROPE,
+                                  dtype=torch.float8_e4m3fn, device=DEVICE))
+    stored = []
+    for b, s in enumerate(seq_lens):
+        q8 = (lat[b].float() / scale_fp8).clamp(-448, 448).to(torch.float8_e4m3fn)
+        flat = cache.view(-1, RANK + ROPE)
+        flat[torch.tensor(slots_of(table[b], range(s), block_size), device=DEVICE)] = q8.to(DEVICE)
+        stored.append(q8.double() * scale_fp8)  # what the cache holds, in float64
+    sm = 1 / math.sqrt(192)
+    got = paged_mla_latent(q_lat.to(DEVICE), q_rope.to(DEVICE), cache, qsl.to(DEVICE),
+                           lens.to(DEVICE), table.to(DEVICE), scale=sm, mask=mask, gluon=True,
+                           latent_scale=scale_fp8, splits=splits).double().cpu()
+    _check_against_float64(got, q_lat, q_rope, stored, seq_lens, q_lens, mask, sm)
+    # the Triton fp8 kernel on the same cache agrees too
+    tri = paged_mla_latent(q_lat.to(DEVICE), q_rope.to(DEVICE), cache, qsl.to(DEVICE),
+                           lens.to(DEVICE), table.to(DEVICE), scale=sm, mask=mask, gluon=False,
+                           latent_scale=scale_fp8, splits=splits).double().cpu()
+    torch.testing.assert_close(got, tri, rtol=1e-2, atol=1e-2)
+
+
+def test_gluon_fp8_kept_plan_matches_float64_on_every_call():
+    """Kept plans of the fp8 kernel: fresh queries every call, two caches, and another
+    latent scale (another plan: the scale is one of its scalars)."""
+    _needs_hopper()
+    seq_lens, q_len, heads, sm = [900, 2113, 65], 1, 16, 0.07
+    gen = torch.Generator().manual_seed(11)
+    for rep in range(4):
+        _, table, lat, _, _, qsl, lens = _latent_case(seq_lens, [q_len] * 3, heads, 64,
+                                                      torch.bfloat16, seed=1 + rep % 2)
+        s8 = 0.01 * (1 + rep)
+        cache = fill_nan_(torch.empty(int(table.max()) + 2, 64, RANK + ROPE,
+                                      dtype=torch.float8_e4m3fn, device=DEVICE))
+        stored = []
+        for b, s in enumerate(seq_lens):
+            q8 = (lat[b].float() / s8).clamp(-448, 448).to(torch.float8_e4m3fn)
+            cache.view(-1, RANK + ROPE)[torch.tensor(slots_of(table[b], range(s), 64),
+                                                     device=DEVICE)] = q8.to(DEVICE)
+            stored.append(q8.double() * s8)
+        q_lat = (torch.randn(3, heads, RANK, generator=gen) / 8).bfloat16()
+        q_rope = (torch.randn(3, heads, ROPE, generator=gen) / 8).bfloat16()
+        got = paged_mla_latent(q_lat.to(DEVICE), q_rope.to(DEVICE), cache, qsl.to(DEVICE),
+                               lens.to(DEVICE), table.to(DEVICE), scale=sm, mask=Mask(),
+                               gluon=True, latent_scale=s8, max_query_len=q_len,
+                               max_seq_len=max(seq_lens))
+        _check_against_float64(got.double().cpu(), q_lat, q_rope, stored, seq_lens,
+                               [q_len] * 3, Mask(), sm)
+
+
 def _cpu_call(**over):
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(2, 64, RANK + ROPE, generator=gen).bfloat16()
@@ -210,7 +290,12 @@ def _cpu_call(**over):
 
 def test_supported_names_what_it_refuses():
     assert "Hopper" in _cpu_call()  # a CPU tensor: everything else fits
-    assert "cache" in _cpu_call(cache=torch.zeros(2, 64, RANK + ROPE, dtype=torch.float8_e4m3fn))
+    fp8 = torch.zeros(2, 64, RANK + ROPE, dtype=torch.float8_e4m3fn)
+    assert "Hopper" in _cpu_call(cache=fp8, latent_scale=0.5)  # fp8 <= 16 rows: everything fits
+    assert "tensor" in _cpu_call(cache=fp8, latent_scale=torch.tensor(0.5))
+    assert "17 rows" in _cpu_call(cache=fp8, latent_scale=0.5, rows=17)
+    assert "queries" in _cpu_call(cache=fp8, latent_scale=0.5, q_latent=torch.zeros(1, 16, RANK))
+    assert "cache" in _cpu_call(cache=fp8.view(torch.float8_e5m2), latent_scale=0.5)
     assert "queries" in _cpu_call(q_latent=torch.zeros(1, 16, RANK))
     assert "512 + 64" in _cpu_call(q_rope=None)
     assert "block size 16" in _cpu_call(cache=torch.zeros(8, 16, RANK + ROPE).bfloat16())
@@ -220,14 +305,19 @@ def test_supported_names_what_it_refuses():
     assert "page-contiguous" in _cpu_call(cache=every_other_page)
 
 
-def test_gluon_by_default_for_bf16_page_tiles_only(monkeypatch):
+def test_gluon_by_default_for_page_tiles_bf16_or_few_row_fp8(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     # (rows per request, block size, float32 queries, fp8 cache) -> gluon by default
     assert launch_defaults(16, 64, False, False)["gluon"] is True
     assert launch_defaults(128, 128, False, False)["gluon"] is True
     assert launch_defaults(128, 32, False, False)["gluon"] is False
     assert launch_defaults(128, 64, True, False)["gluon"] is False
-    assert launch_defaults(16, 64, False, True)["gluon"] is False
+    # fp8 caches: the transposed (<= 16-row) kernel only, on blocks of multiples of 64
+    assert launch_defaults(16, 64, False, True)["gluon"] is True
+    assert launch_defaults(16, 128, False, True)["gluon"] is True
+    assert launch_defaults(17, 64, False, True)["gluon"] is False
+    assert launch_defaults(16, 32, False, True)["gluon"] is False
+    assert launch_defaults(16, 64, True, True)["gluon"] is False
 
 
 def test_gluon_true_refused_off_hopper_and_default_off_under_the_interpreter(monkeypatch):

@@ -442,7 +442,11 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     H200 (docs/kernels.md). bf16/fp16 with page tiles: the TMA kernel; <= 16 query rows per
     request with keys on the MMA's M side (``swap``), more rows as 64-row tiles; with block
     sizes that are multiples of 64, ``gluon`` (the Hopper kernels, where they run). fp8 caches:
-    the pointer kernel (a TMA tile converted to bf16 in registers spills). ``waves``: programs
+    the pointer kernel (a TMA tile converted to bf16 in registers spills), except <= 16 rows
+    per request on blocks of multiples of 64, where ``gluon`` (per-tensor e4m3 with a float
+    scale: the transposed Gluon kernel widening fp8 tiles in shared memory, 1.20x the
+    pointer kernel; ``mla_gluon.supported`` sends the rest, e.g. fp8_ds_mla, back to the
+    pointer kernel with this config). ``waves``: programs
     per multiprocessor that the KV splits aim at (rounded down: a second partial wave cost
     more than it gained in the sweeps)."""
     if interpreting():
@@ -452,9 +456,10 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     if f32 or block_size % 32 or fp8:
         # float32 (reference-precision) path, fp8 caches, or blocks TMA tiles do not fit
         bm = 16 if fp8 else min(64, max(16, next_pow2(rows_per_request)))
+        gluon = fp8 and not f32 and rows_per_request <= 16 and block_size % 64 == 0
         return dict(block_m=bm, block_n=16 if f32 else 32, dv_splits=2 if bm == 64 else 1,
                     num_warps=8 if bm == 64 else 4, num_stages=2, waves=2.0, swap=False,
-                    tma=False if fp8 else None, gluon=False)
+                    tma=False if fp8 else None, gluon=gluon)
     block_n = 64 if block_size % 64 == 0 else 32
     # the Gluon kernels (mla_gluon) where they run: faster in every bf16 family measured
     # (docs/kernels.md, "MLA, Gluon kernels")
@@ -642,7 +647,8 @@ def paged_mla_latent(
     if use_gluon:
         from pagedkv.ops.triton import mla_gluon
 
-        why = mla_gluon.supported(q_latent, q_rope, latent_cache, mask, latent_scale)
+        why = mla_gluon.supported(q_latent, q_rope, latent_cache, mask, latent_scale,
+                                  max(1, max_query_len) * heads)
         if why is not None and gluon:
             raise InvalidArgumentError(f"gluon=True cannot run this call: {why}")
         use_gluon = why is None
@@ -702,7 +708,7 @@ def paged_mla_latent(
     if batch and rows and use_gluon:  # one launch, every key (no tail launch)
         made = mla_gluon.launch(ql, qr, latent_cache, query_start_loc, seq_lens, table, out,
                                 flag, scale=scale, mask=mask, tiles=tiles, splits=splits,
-                                block_m=block_m, variant=variant)
+                                block_m=block_m, variant=variant, latent_scale=latent_scale)
         if key is not None:
             if len(_GLUON_PLANS) >= _MAX_PLANS:
                 _GLUON_PLANS.clear()

@@ -20,7 +20,8 @@ are explicit. One program = one request x one row tile x one KV split.
   2-slot ring guarded by mbarriers; the copy of tile i + 2 is issued as soon as tile i is
   consumed, with its block id read an iteration earlier.
 
-Scope: bf16/fp16 queries and cache of the same dtype, R = 512, P = 64, block sizes that are
+Scope: bf16/fp16 queries and cache of the same dtype, or (<= 16 rows only) a per-tensor
+scaled e4m3 cache widened in shared memory (``_widen``), R = 512, P = 64, block sizes that are
 multiples of 64, causal / non-causal / draft-block masks (``supported`` says why not). The
 partly written last tile of each sequence is loaded whole and its slots past the sequence
 zeroed in shared memory (unwritten slots may hold NaN, which a zero probability does not
@@ -90,6 +91,26 @@ def _zero_past_end(kv, n0, seq_len, BLOCK_N: gl.constexpr, R: gl.constexpr, z_l:
         chunk.store(gl.where(keep, x, gl.zeros_like(x)))
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def _widen(kv8, kr8, kw, kwr, n0, seq_len, dt: gl.constexpr, BLOCK_N: gl.constexpr,
+           R: gl.constexpr, P: gl.constexpr):
+    """A landed fp8 tile (latent and rope) -> ``dt`` in the NVMMA buffers the MMAs read, 8
+    keys at a time (row slices keep the swizzle pattern whole); the latent of keys >=
+    seq_len is zeroed (unwritten slots may hold NaN, see ``_zero_past_end``). Every warp's
+    earlier MMA reads of the buffers are over (the loop's barrier after the value product)."""
+    w_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
+    ROWS: gl.constexpr = 8
+    r_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    for c in gl.static_range(BLOCK_N // ROWS):
+        keys = n0 + c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, w_l))
+        x = kv8.slice(c * ROWS, ROWS, dim=0).load(w_l).to(dt)
+        kw.slice(c * ROWS, ROWS, dim=0).store(gl.where((keys < seq_len)[:, None], x,
+                                                   gl.zeros_like(x)))
+    kwr.store(kr8.load(r_l).to(dt))
+    fence_async_shared()  # the widened tile, before the MMAs read it
+    gl.thread_barrier()  # every warp's part written; every warp done with the fp8 slot
 
 
 @gluon.jit
@@ -282,17 +303,22 @@ def _mla_gluon_fwd(
 def _mla_gluon_swap(
     ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
-    num_blocks, block_size, heads, scale, draft, tiles, num_splits,
+    num_blocks, block_size, heads, scale, draft, tiles, num_splits, lscale,
     R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+    WIDEN: gl.constexpr = False,
 ):
     """Few rows (<= 16: decode with <= 16 heads): keys on the MMA's M side, one warpgroup.
     S^T [64 keys, BLOCK_M rows] = K Q^T, O^T [R, BLOCK_M] += V^T P^T (V^T: the key tile read
     transposed from shared memory), so no row is padded to 64. Same grid, workspace and
     TMA ring as ``_mla_gluon_fwd``; the compute per tile is small, so what counts is that
-    the copies of the next two tiles are in flight while one is consumed."""
+    the copies of the next two tiles are in flight while one is consumed. ``WIDEN``
+    (per-tensor fp8 cache, scale ``lscale``): the ring holds fp8 tiles, which the warpgroup
+    widens to the queries' dtype into one NVMMA buffer (keys past the sequence zeroed on
+    the way) before the same MMAs; the fp8 slot is refilled right after the widening, and
+    ``lscale`` is folded into the scores and the output."""
     gl.static_assert(gl.num_warps() == 4)
-    dt: gl.constexpr = kd.dtype
+    dt: gl.constexpr = ql_ptr.dtype.element_ty
     t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -312,8 +338,13 @@ def _mla_gluon_swap(
 
     q_smem, qr_smem = _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt,
                                stride_qh, stride_rt, stride_rh, dt, BLOCK_M, R, P, q_l)
-    kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], kd.layout)
-    kr_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, P], rd.layout)
+    kv_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, R], kd.layout)
+    kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
+    if WIDEN:  # the widened tile the MMAs read
+        kw_smem = gl.allocate_shared_memory(
+            dt, [1, BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dt))
+        kwr_smem = gl.allocate_shared_memory(
+            dt, [1, BLOCK_N, P], gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], dt))
     pt_smem = gl.allocate_shared_memory(
         dt, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dt))
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -330,7 +361,7 @@ def _mla_gluon_swap(
     page_a, page_b = _ring_start(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles,
                                  block_size, num_blocks, BLOCK_N, R)
 
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * lscale * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=per_row)
     acc = gl.zeros([R, BLOCK_M], gl.float32, layout=t_l)
@@ -347,11 +378,25 @@ def _mla_gluon_swap(
                             other=0)
         bad = _flag_bad(page, num_blocks, flag_ptr)
         mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
-        kv = kv_smem.index(stage)
-        if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
-            _zero_past_end(kv, n0, seq_len, BLOCK_N, R, z_l)
+        if WIDEN:
+            # always buffer 0, by an index the compiler cannot fold: with a constant address
+            # it hoists all 68 wgmma descriptors out of the loop, and they spill
+            wi = it // (n_tiles + 1)
+            kw = kw_smem.index(wi)
+            kwr = kwr_smem.index(wi)
+            _widen(kv_smem.index(stage), kr_smem.index(stage), kw, kwr, n0, seq_len,
+                   dt, BLOCK_N, R, P)
+            _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+                   block_size, num_blocks, refill, R)  # the fp8 slot is free already
+            kv = kw
+            kr = kwr
+        else:
+            kv = kv_smem.index(stage)
+            kr = kr_smem.index(stage)
+            if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
+                _zero_past_end(kv, n0, seq_len, BLOCK_N, R, z_l)
         s = warpgroup_mma(kv, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(kr_smem.index(stage), qr_smem.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(kr, qr_smem.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
         keys = n0 + kn
         seen = (keys[:, None] < hi[None, :]) & (bad == 0)
@@ -367,9 +412,10 @@ def _mla_gluon_swap(
         gl.thread_barrier()
         acc = warpgroup_mma(kv.permute((1, 0)), pt_smem, acc * alpha[None, :], is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()  # every warp is done with this slot and with P
-        _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
-               block_size, num_blocks, refill, R)
+        gl.thread_barrier()  # every warp is done with this slot (or the widened tile) and P
+        if not WIDEN:
+            _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+                   block_size, num_blocks, refill, R)
         page_a = page_b
         page_b = page_next
 
@@ -380,7 +426,7 @@ def _mla_gluon_swap(
     gl.store(ws_m + base, m_i, mask=rmask)
     gl.store(ws_l + base, l_i, mask=rmask)
     co = gl.arange(0, R, layout=per_key)
-    gl.store(ws_o + base[None, :] * R + co[:, None], acc, mask=rmask[None, :])
+    gl.store(ws_o + base[None, :] * R + co[:, None], acc * lscale, mask=rmask[None, :])
 
 
 def descriptors(cache: torch.Tensor):
@@ -389,7 +435,8 @@ def descriptors(cache: torch.Tensor):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     num_blocks, block_size, width = cache.shape
-    dt = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
+    dt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+          torch.float8_e4m3fn: gl.float8e4nv}[cache.dtype]
     rows = num_blocks * block_size
     flat = cache.view(rows, width) if cache.is_contiguous() else cache.as_strided(
         (rows, width), (cache.stride(1), 1))
@@ -400,11 +447,21 @@ def descriptors(cache: torch.Tensor):
     return kd, rd
 
 
-def supported(q_latent, q_rope, cache, mask, latent_scale) -> str | None:
-    """Why the Gluon kernel cannot take this call (None: it can). Device checks last."""
-    if latent_scale is not None or cache.dtype not in (torch.bfloat16, torch.float16):
-        return f"a {cache.dtype} cache (bf16/fp16 only)"
-    if q_latent.dtype != cache.dtype or (q_rope is not None and q_rope.dtype != cache.dtype):
+def supported(q_latent, q_rope, cache, mask, latent_scale, rows: int = 1) -> str | None:
+    """Why the Gluon kernel cannot take this call (None: it can); ``rows``: query rows per
+    request (q_len x heads). Device checks last."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        if rows > SWAP_ROWS:
+            return f"an fp8 cache with {rows} rows per request (the <= {SWAP_ROWS}-row kernel only)"
+        if not isinstance(latent_scale, float | int):
+            return "an fp8 cache needs a Python float latent scale here (a tensor scale: Triton)"
+        if q_latent.dtype not in (torch.bfloat16, torch.float16) or (
+                q_rope is not None and q_rope.dtype != q_latent.dtype):
+            return f"{q_latent.dtype} queries for an fp8 cache (bf16/fp16 only)"
+    elif latent_scale is not None or cache.dtype not in (torch.bfloat16, torch.float16):
+        return f"a {cache.dtype} cache (bf16/fp16, or per-tensor e4m3 fp8)"
+    elif q_latent.dtype != cache.dtype or (q_rope is not None and q_rope.dtype != cache.dtype):
         return f"{q_latent.dtype} queries for a {cache.dtype} cache"
     if q_rope is None or q_latent.shape[-1] != RANK or q_rope.shape[-1] != ROPE:
         rope = 0 if q_rope is None else q_rope.shape[-1]
@@ -453,7 +510,8 @@ class Plan:
 
 
 def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, mask,
-         tiles: int, splits: int, block_m: int, variant: str | None = None) -> Plan:
+         tiles: int, splits: int, block_m: int, variant: str | None = None,
+         latent_scale: float | None = None) -> Plan:
     """Grid (batch x tiles, splits), each program writing its split of a workspace of
     ``splits`` splits that the combine merges into ``out``. Tensor values are not read."""
     kd, rd = descriptors(cache)
@@ -463,8 +521,11 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     variant = variant or ROWS_DEFAULT
     consts = dict(R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, num_warps=8)
+    widen = cache.dtype == torch.float8_e4m3fn
+    scalars = ()
     if swap:
-        fn, consts["num_warps"] = _mla_gluon_swap, 4
+        fn, consts["num_warps"], consts["WIDEN"] = _mla_gluon_swap, 4, widen
+        scalars = (float(latent_scale if widen else 1.0),)
     elif variant == "pingpong":
         from pagedkv.ops.triton.mla_gluon_pp import PP_MAXNREG, _mla_gluon_pp
 
@@ -475,15 +536,17 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
                     (seq_lens.shape[0] * tiles, splits), (
                         kd, rd, ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1),
                         table.stride(0), num_blocks, block_size, heads, scale,
-                        mask.draft_block or 0, tiles, splits), consts)
+                        mask.draft_block or 0, tiles, splits, *scalars), consts)
     ws_shape = (rows, heads, splits, RANK)
     return Plan(kernel, combine_launch(ws_shape, out, query_start_loc, None), ws_shape, (kd, rd))
 
 
 def launch(ql, qr, cache, query_start_loc, seq_lens, table, out, flag, *, scale: float, mask,
-           tiles: int, splits: int, block_m: int, variant: str | None = None) -> Plan:
+           tiles: int, splits: int, block_m: int, variant: str | None = None,
+           latent_scale: float | None = None) -> Plan:
     """``plan`` for these arguments, run once; returned for the caller to keep."""
     made = plan(ql, qr, cache, query_start_loc, seq_lens, table, out, scale=scale, mask=mask,
-                tiles=tiles, splits=splits, block_m=block_m, variant=variant)
+                tiles=tiles, splits=splits, block_m=block_m, variant=variant,
+                latent_scale=latent_scale)
     made(ql, qr, query_start_loc, seq_lens, table, flag, out)
     return made
