@@ -47,11 +47,14 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from pagedkv.batch import build_metadata
-from pagedkv.engine import Engine, EngineOptions, SamplingParams
-from pagedkv.engine.tiny import tiny_model
-from pagedkv.kvspec.layout import bytes_per_token
-from pagedkv.models import layers_from_config
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from metadata import cpu_name  # noqa: E402
+
+from pagedkv.batch import build_metadata  # noqa: E402
+from pagedkv.engine import Engine, EngineOptions, SamplingParams  # noqa: E402
+from pagedkv.engine.tiny import tiny_model  # noqa: E402
+from pagedkv.kvspec.layout import bytes_per_token  # noqa: E402
+from pagedkv.models import layers_from_config  # noqa: E402
 
 ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
           "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
@@ -149,17 +152,6 @@ def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: boo
             "rewritten": runner.sync.rewritten}
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="64,256")
@@ -205,7 +197,7 @@ def main(argv=None) -> int:
     print(f"\n{len(t['stateless'])} timed decode steps per batch after {args.warmup} untimed; "
           f"persistent output equal to build_metadata on every 10th step")
     print(f"machine: {os.cpu_count()} cores, {len(os.sched_getaffinity(0))} usable "
-          f"({cpu_model()}), load average "
+          f"({cpu_name()}), load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; Python "
           f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
     print(f"UTC {start:%Y-%m-%d %H:%M:%S} - {end:%H:%M:%S}; "
