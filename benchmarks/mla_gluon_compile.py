@@ -5,8 +5,9 @@ local-memory accesses inside the key loop (SASS), and the count of each wgmma / 
 instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full]
-[bf16|fp16|fp8] [rows|overlap|pingpong|swap] (fp8: an e4m3 cache, bf16 queries; swap only) (64-row tiles; the same with the value product left in
-flight; the warp-specialized ping-pong kernel; the transposed <= 16-row kernel)
+[bf16|fp16|fp8] [rows|overlap|pingpong|pingpong_early|swap] (fp8: an e4m3 cache, bf16 queries; swap only) (64-row tiles; the same with the value product left in
+flight; the warp-specialized ping-pong kernel, also with each slot released before the
+softmax; the transposed <= 16-row kernel)
 (run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
 """
 
@@ -33,8 +34,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows"):
     swap = kernel == "swap"
-    fn = {"swap": mla_gluon._mla_gluon_swap, "pingpong": mla_gluon_pp._mla_gluon_pp}.get(
-        kernel, mla_gluon._mla_gluon_fwd)
+    pp = kernel.startswith("pingpong")
+    fn = mla_gluon._mla_gluon_swap if swap else mla_gluon_pp._mla_gluon_pp if pp else \
+        mla_gluon._mla_gluon_fwd
     fp8 = dtype == "fp8"  # an e4m3 cache, bf16 queries (the transposed kernel only)
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[dtype]
     kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt))
@@ -45,6 +47,8 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
         const["OVERLAP"] = kernel == "overlap"
     if swap:
         const["WIDEN"] = fp8
+    if pp:
+        const["EARLY"] = kernel == "pingpong_early"
     q = "*fp16" if dtype == "fp16" else "*bf16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
@@ -60,8 +64,8 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
         else:
             sig[name] = "fp32" if name in ("scale", "lscale") else "i32"
     src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
-    options = {"num_warps": 4 if kernel in ("swap", "pingpong") else 8}
-    if kernel == "pingpong":
+    options = {"num_warps": 4 if swap or pp else 8}
+    if pp:
         options["maxnreg"] = mla_gluon_pp.PP_MAXNREG
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

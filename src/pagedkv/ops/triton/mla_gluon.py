@@ -116,9 +116,11 @@ def _widen(kv8, kr8, kw, kwr, n0, seq_len, dt: gl.constexpr, BLOCK_N: gl.constex
 @gluon.jit
 def _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt, stride_qh, stride_rt,
              stride_rh, dt: gl.constexpr, BLOCK_M: gl.constexpr, R: gl.constexpr,
-             P: gl.constexpr, q_l: gl.constexpr):
+             P: gl.constexpr, q_l: gl.constexpr, LEAD: gl.constexpr = False):
     """The tile's (query row, head) rows -> NVMMA shared memory, latent and rope parts (rows
-    past q_len: zeros)."""
+    past q_len: zeros). ``LEAD``: as [1, rows, cols] buffers, which a kernel indexes by a value
+    the compiler cannot fold, so that ptxas keeps the wgmma descriptors in the key loop
+    instead of hoisting (and spilling) them."""
     mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
     rq = mq // heads
     hq = mq % heads
@@ -128,12 +130,20 @@ def _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt, stride_qh, 
     cp = gl.arange(0, P, layout=gl.SliceLayout(0, q_l))
     q = gl.load(ql_ptr + tq[:, None] * stride_qt + hq[:, None] * stride_qh + cr[None, :],
                 mask=qmask, other=0.0)
-    q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, R], dt), q)
+    ql_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dt)
+    if LEAD:
+        q_smem = gl.allocate_shared_memory(dt, [1, BLOCK_M, R], ql_layout)
+        q_smem.index(0).store(q)
+    else:
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], ql_layout, q)
     qr = gl.load(qr_ptr + tq[:, None] * stride_rt + hq[:, None] * stride_rh + cp[None, :],
                  mask=qmask, other=0.0)
-    qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, P], dt), qr)
+    qr_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, P], dt)
+    if LEAD:
+        qr_smem = gl.allocate_shared_memory(dt, [1, BLOCK_M, P], qr_layout)
+        qr_smem.index(0).store(qr)
+    else:
+        qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], qr_layout, qr)
     return q_smem, qr_smem
 
 
@@ -486,8 +496,9 @@ def tile_rows(rows_per_request: int) -> int:
 
 # 64-row kernel variants (``paged_mla_latent(gluon=...)`` names one): "serial" waits for each
 # tile's value product before the next tile's scores; "overlap" queues them back to back;
-# "pingpong" is the warp-specialized ``mla_gluon_pp._mla_gluon_pp``
-ROWS_VARIANTS = ("serial", "overlap", "pingpong")
+# "pingpong" is the warp-specialized ``mla_gluon_pp._mla_gluon_pp``, "pingpong_early" the same
+# with each slot released before the softmax that follows its last value product
+ROWS_VARIANTS = ("serial", "overlap", "pingpong", "pingpong_early")
 ROWS_DEFAULT = "serial"
 
 
@@ -526,10 +537,11 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     if swap:
         fn, consts["num_warps"], consts["WIDEN"] = _mla_gluon_swap, 4, widen
         scalars = (float(latent_scale if widen else 1.0),)
-    elif variant == "pingpong":
+    elif variant.startswith("pingpong"):
         from pagedkv.ops.triton.mla_gluon_pp import PP_MAXNREG, _mla_gluon_pp
 
         fn, consts["num_warps"], consts["maxnreg"] = _mla_gluon_pp, 4, PP_MAXNREG
+        consts["EARLY"] = variant == "pingpong_early"
     else:
         fn, consts["OVERLAP"] = _mla_gluon_fwd, variant == "overlap"
     kernel = Launch(fn,

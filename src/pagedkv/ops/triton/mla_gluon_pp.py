@@ -41,15 +41,16 @@ def _pp_scores(q_smem, qr_smem, kv_own, pv_own, ready, G: gl.constexpr, j, s0):
 
 @gluon.jit
 def _pp_own(sc, acc_t, m_prev, l_i, u, G: gl.constexpr, kv_own, pv_own, stat, sready, empty,
-            hi, kn, s_lo, seq_len, table_row, block_size, num_blocks, flag_ptr, qk_scale,
-            HALF: gl.constexpr, BLOCK_N: gl.constexpr, R: gl.constexpr, z_l: gl.constexpr,
-            orow: gl.constexpr):
+            hi, kn, s_lo, page, num_blocks, flag_ptr, qk_scale,
+            HALF: gl.constexpr, BLOCK_N: gl.constexpr, orow: gl.constexpr,
+            RELEASED: gl.constexpr):
     """Own tile u with its scores ``sc`` in hand: softmax against the running maximum,
     publish (P over the tile's rope part, maximum and rescale factor, ``sready``), then
     this warpgroup's half of the value product; ``acc_t``: the product of tile u - 1 in
-    flight (or the accumulator), whose slot is released once it is done."""
+    flight (or the accumulator), whose slot is released once it is done (``RELEASED``:
+    done and released already). ``page``: the tile's block id, read before its scores
+    were waited for (no table read on the softmax chain)."""
     n0 = s_lo + u * BLOCK_N
-    page = gl.load(table_row + n0 // block_size)
     bad = _flag_bad(page, num_blocks, flag_ptr)
     keys = n0 + kn
     seen = (keys[None, :] < hi[:, None]) & (bad == 0)
@@ -65,9 +66,12 @@ def _pp_own(sc, acc_t, m_prev, l_i, u, G: gl.constexpr, kv_own, pv_own, stat, sr
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(sready.index(G), count=1)
-    acc = warpgroup_mma_wait(0, deps=[acc_t])
-    gl.thread_barrier()  # every warp past its wait before the one arrive
-    mbarrier.arrive(empty.index(1 - G), count=1, pred=u >= 1)
+    if RELEASED:
+        acc = acc_t
+    else:
+        acc = warpgroup_mma_wait(0, deps=[acc_t])
+        gl.thread_barrier()  # every warp past its wait before the one arrive
+        mbarrier.arrive(empty.index(1 - G), count=1, pred=u >= 1)
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
     acc = warpgroup_mma(pv_own, kv_own.slice(G * HALF, HALF, dim=1), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -78,7 +82,8 @@ def _pp_own(sc, acc_t, m_prev, l_i, u, G: gl.constexpr, kv_own, pv_own, stat, sr
 
 @gluon.jit
 def _pp_consumer(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
+                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+                 EARLY: gl.constexpr):
     """Warpgroup G of the ping-pong kernel: scores and softmax of the tiles t = G mod 2 (which
     always sit in ring slot G), and output columns [G R/2, (G+1) R/2) over every tile. Tile
     t's owner publishes its running row maximum, its rescale factor and P (bf16, written over
@@ -112,20 +117,27 @@ def _pp_consumer(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
             if s_lo + BLOCK_N > seq_len:  # tile 0 is the sequence's last
                 mbarrier.wait(ready.index(G), 0)
                 _zero_past_end(kv_own, s_lo, seq_len, BLOCK_N, R, z_l)
-            s = _pp_scores(q_smem, qr_smem, kv_own, pv_own, ready, G, 0, s0)
+            page = gl.load(table_row + s_lo // block_size)
+            s = _pp_scores(q_smem.index(0), qr_smem.index(0), kv_own, pv_own, ready, G, 0, s0)
             sc = warpgroup_mma_wait(0, deps=[s])
             acc, m_prev, l_i = _pp_own(
                 sc, warpgroup_mma_init(acc), m_prev, l_i, 0, G, kv_own, pv_own, stat, sready,
-                empty, hi, kn, s_lo, seq_len, table_row, block_size, num_blocks, flag_ptr,
-                qk_scale, HALF, BLOCK_N, R, z_l, orow)
+                empty, hi, kn, s_lo, page, num_blocks, flag_ptr, qk_scale, HALF, BLOCK_N, orow,
+                False)
     first = 1 - G  # own tiles u = G + 2j from here on all follow another warpgroup's tile
     for j in range(first, gl.maximum(n_tiles - G + 1, 0) // 2):
         u = G + 2 * j
         n0 = s_lo + u * BLOCK_N
+        dyn = j // (n_tiles + 2)
+        kv_own = kv_smem.index(G + dyn)
+        pv_own = kr_smem.index(G + dyn)
+        kv_other = kv_smem.index(1 - G + dyn)
+        pv_other = kr_smem.index(1 - G + dyn)
         if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
             mbarrier.wait(ready.index(G), j & 1)
             _zero_past_end(kv_own, n0, seq_len, BLOCK_N, R, z_l)
-        s = _pp_scores(q_smem, qr_smem, kv_own, pv_own, ready, G, j, s0)
+        page = gl.load(table_row + n0 // block_size)
+        s = _pp_scores(q_smem.index(dyn), qr_smem.index(dyn), kv_own, pv_own, ready, G, j, s0)
         # the other warpgroup's tile u - 1: its value product, queued behind our scores
         t = u - 1
         mbarrier.wait(sready.index(1 - G), (t // 2) & 1)
@@ -135,11 +147,18 @@ def _pp_consumer(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
         l_i = l_i * alpha_t
         acc_t = warpgroup_mma(pv_other, kv_other.slice(G * HALF, HALF, dim=1),
                               acc * gl.convert_layout(alpha_t, orow)[:, None], is_async=True)
-        sc = warpgroup_mma_wait(1, deps=[s])
-        acc, m_prev, l_i = _pp_own(
-            sc, acc_t, m_prev, l_i, u, G, kv_own, pv_own, stat, sready, empty, hi, kn, s_lo,
-            seq_len, table_row, block_size, num_blocks, flag_ptr, qk_scale, HALF, BLOCK_N, R,
-            z_l, orow)
+        if EARLY:  # both products done: the other's slot released before this softmax
+            sc, acc_d = warpgroup_mma_wait(0, deps=[s, acc_t])
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(1 - G), count=1)
+            acc, m_prev, l_i = _pp_own(
+                sc, acc_d, m_prev, l_i, u, G, kv_own, pv_own, stat, sready, empty, hi, kn,
+                s_lo, page, num_blocks, flag_ptr, qk_scale, HALF, BLOCK_N, orow, True)
+        else:  # this softmax overlaps the other's value product; its slot released after
+            sc = warpgroup_mma_wait(1, deps=[s])
+            acc, m_prev, l_i = _pp_own(
+                sc, acc_t, m_prev, l_i, u, G, kv_own, pv_own, stat, sready, empty, hi, kn,
+                s_lo, page, num_blocks, flag_ptr, qk_scale, HALF, BLOCK_N, orow, False)
     t_last = n_tiles - 1
     if (t_last >= 0) & (t_last % 2 != G):  # the last tile is the other warpgroup's
         mbarrier.wait(sready.index(1 - G), (t_last // 2) & 1)
@@ -174,14 +193,14 @@ def _pp_consumer(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
 
 @gluon.jit
 def _pp_wg0(args, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
-    _pp_consumer(args, 0, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT)
+            CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, EARLY: gl.constexpr):
+    _pp_consumer(args, 0, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT, EARLY)
 
 
 @gluon.jit
 def _pp_wg1(args, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
-    _pp_consumer(args, 1, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT)
+            CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, EARLY: gl.constexpr):
+    _pp_consumer(args, 1, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT, EARLY)
 
 
 @gluon.jit
@@ -194,9 +213,9 @@ def _pp_producer(args, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
      qk_scale, q_start, split, num_splits, ws_o, ws_m, ws_l) = args
     for t in range(n_tiles):
         slot = t % 2
-        mbarrier.wait(empty.index(slot), ((t // 2) & 1) ^ 1)
         n0 = s_lo + t * BLOCK_N
-        page = gl.load(table_row + n0 // block_size)
+        page = gl.load(table_row + n0 // block_size)  # read while the slot is still busy
+        mbarrier.wait(empty.index(slot), ((t // 2) & 1) ^ 1)
         _issue(kd, rd, kv_smem, kr_smem, ready, page, n0, slot, block_size, num_blocks, True, R)
 
 
@@ -207,6 +226,7 @@ def _mla_gluon_pp(
     num_blocks, block_size, heads, scale, draft, tiles, num_splits,
     R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+    EARLY: gl.constexpr = False,
 ):
     """64-row tiles, ping-pong (after FlashMLA's sm90 decode design; own code): two consumer
     warpgroups take alternate 64-key tiles, each computing its tile's full 64 x 64 scores
@@ -230,7 +250,7 @@ def _mla_gluon_pp(
     seq_len = gl.load(lens_ptr + b)
     # a tile past the request's rows: every row invalid, so no keys (n_tiles 0), no stores
     q_smem, qr_smem = _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt,
-                               stride_qh, stride_rt, stride_rh, dt, BLOCK_M, R, P, q_l)
+                               stride_qh, stride_rt, stride_rh, dt, BLOCK_M, R, P, q_l, True)
     kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], kd.layout)
     kr_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, P], rd.layout)
     stat = gl.allocate_shared_memory(gl.float32, [5, BLOCK_M], st_l)
@@ -258,6 +278,6 @@ def _mla_gluon_pp(
     # the launch's register cap, so it gets the light work); the two consumer warpgroups
     # are workers with 240 registers each: 240 + 240 + 24 = 3 x PP_MAXNREG
     gl.warp_specialize([(_pp_producer, (args, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT)),
-                        (_pp_wg0, (args, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT)),
-                        (_pp_wg1, (args, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT))],
+                        (_pp_wg0, (args, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT, EARLY)),
+                        (_pp_wg1, (args, R, BLOCK_M, BLOCK_N, CAUSAL, HAS_DRAFT, EARLY))],
                        [4, 4], [240, 240])
