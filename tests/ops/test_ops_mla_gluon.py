@@ -84,6 +84,23 @@ def test_pingpong_kernel_compiles_for_sm90_within_shared_memory(mask, dtype, ker
 
 
 @pytest.mark.parametrize("mask,dtype", [("causal", "bf16"), ("draft", "fp16")])
+def test_pair_kernel_compiles_for_sm90_within_shared_memory(mask, dtype):
+    """Two warpgroups, key tiles in pairs: each tile's scores once, by its owner, as m64n64
+    (36 per tile, in each warpgroup's first tile and in its loop: 144); values m64n256, each
+    warpgroup its 256 columns of both tiles of a pair (4 x 4 = 16), the own P from
+    registers. Queries (two latent halves + rope), two slots of two halves and P of the
+    first tile fit in shared memory."""
+    use = compiled_for_sm90(mask, dtype, "pair")
+    assert 0 < use["shared"] <= SHARED_LIMIT, use
+    assert 0 < use["REG"] <= 255 and use["LOCAL"] == 0, use
+    kind = "bf16" if dtype == "bf16" else "f16"
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}.{kind}") == 144, use
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{kind}.{kind}") == 16, use
+    assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n64k16" not in k
+                and "m64n256k16" not in k], use
+
+
+@pytest.mark.parametrize("mask,dtype", [("causal", "bf16"), ("draft", "fp16")])
 def test_transposed_kernel_compiles_for_sm90_within_shared_memory_without_spills(mask, dtype):
     use = compiled_for_sm90(mask, dtype, "swap")
     assert 0 < use["shared"] <= SHARED_LIMIT, use
@@ -194,7 +211,8 @@ def test_gluon_matches_float64_latent_attention(heads, q_lens, seq_lens, mask, b
 
 @pytest.mark.parametrize("heads,q_len,variant", [(16, 1, "serial"), (16, 7, "serial"),
                                                  (16, 7, "overlap"), (128, 1, "overlap"),
-                                                 (128, 1, "pingpong"), (16, 7, "pingpong")])
+                                                 (128, 1, "pingpong"), (16, 7, "pingpong"),
+                                                 (128, 1, "pair"), (16, 7, "pair")])
 def test_kept_plan_matches_float64_on_every_call(heads, q_len, variant):
     """Calls with max_query_len / max_seq_len keep their plan: later calls launch through
     the compiled launcher with the cached descriptors. Fresh queries every call; a second

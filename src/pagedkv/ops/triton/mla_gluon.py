@@ -439,9 +439,10 @@ def _mla_gluon_swap(
     gl.store(ws_o + base[None, :] * R + co[:, None], acc * lscale, mask=rmask[None, :])
 
 
-def descriptors(cache: torch.Tensor):
+def descriptors(cache: torch.Tensor, latent_box: int = RANK):
     """(latent, rope) Gluon tensor descriptors over the cache seen as one row per slot:
-    [64, 512] and [64, 64] boxes, 128-byte swizzle."""
+    [64, latent_box] (512, or 256 for the "pair" kernel's half tiles) and [64, 64] boxes,
+    128-byte swizzle."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     num_blocks, block_size, width = cache.shape
@@ -450,8 +451,8 @@ def descriptors(cache: torch.Tensor):
     rows = num_blocks * block_size
     flat = cache.view(rows, width) if cache.is_contiguous() else cache.as_strided(
         (rows, width), (cache.stride(1), 1))
-    kd = TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BLOCK_N, RANK],
-                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], dt))
+    kd = TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BLOCK_N, latent_box],
+                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, latent_box], dt))
     rd = TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BLOCK_N, ROPE],
                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dt))
     return kd, rd
@@ -497,8 +498,9 @@ def tile_rows(rows_per_request: int) -> int:
 # 64-row kernel variants (``paged_mla_latent(gluon=...)`` names one): "serial" waits for each
 # tile's value product before the next tile's scores; "overlap" queues them back to back;
 # "pingpong" is the warp-specialized ``mla_gluon_pp._mla_gluon_pp``, "pingpong_early" the same
-# with each slot released before the softmax that follows its last value product
-ROWS_VARIANTS = ("serial", "overlap", "pingpong", "pingpong_early")
+# with each slot released before the softmax that follows its last value product; "pair" is
+# ``mla_gluon_pair._mla_gluon_pair`` (two warpgroups, key tiles in pairs, half-slot refills)
+ROWS_VARIANTS = ("serial", "overlap", "pingpong", "pingpong_early", "pair")
 ROWS_DEFAULT = "serial"
 
 
@@ -525,11 +527,12 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
          latent_scale: float | None = None) -> Plan:
     """Grid (batch x tiles, splits), each program writing its split of a workspace of
     ``splits`` splits that the combine merges into ``out``. Tensor values are not read."""
-    kd, rd = descriptors(cache)
-    num_blocks, block_size = cache.shape[:2]
-    rows, heads = ql.shape[:2]
     swap = block_m == SWAP_ROWS
     variant = variant or ROWS_DEFAULT
+    pair = variant == "pair" and not swap
+    kd, rd = descriptors(cache, RANK // 2 if pair else RANK)
+    num_blocks, block_size = cache.shape[:2]
+    rows, heads = ql.shape[:2]
     consts = dict(R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, num_warps=8)
     widen = cache.dtype == torch.float8_e4m3fn
@@ -537,6 +540,10 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     if swap:
         fn, consts["num_warps"], consts["WIDEN"] = _mla_gluon_swap, 4, widen
         scalars = (float(latent_scale if widen else 1.0),)
+    elif pair:
+        from pagedkv.ops.triton.mla_gluon_pair import _mla_gluon_pair
+
+        fn, consts["num_warps"] = _mla_gluon_pair, 4
     elif variant.startswith("pingpong"):
         from pagedkv.ops.triton.mla_gluon_pp import PP_MAXNREG, _mla_gluon_pp
 
