@@ -83,6 +83,21 @@ def test_pingpong_kernel_compiles_for_sm90_within_shared_memory(mask, dtype, ker
                 and "m64n256k16" not in k], use
 
 
+@pytest.mark.parametrize("mask,dtype", [("causal", "bf16"), ("draft", "fp16"), ("full", "bf16")])
+def test_halves_kernel_compiles_for_sm90_without_spills(mask, dtype):
+    """The ping-pong kernel over half-tile slots: queries (two latent halves + rope), two
+    slots of two halves and one P buffer fit; each tile's scores once, by its owner, as
+    m64n64 (36 in each consumer's loop); values m64n256 (each consumer its 256 columns: the
+    other's tile in the loop and after it, its own tile); no stack, no local memory."""
+    use = compiled_for_sm90(mask, dtype, "pingpong_halves")
+    assert 0 < use["shared"] <= SHARED_LIMIT, use
+    assert use["REG"] == PP_MAXNREG and use["LOCAL"] == 0 and use["STACK"] == 0, use
+    assert use["loop_spills"] == 0, use
+    kind = "bf16" if dtype == "bf16" else "f16"
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}.{kind}") == 72, use
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{kind}.{kind}") == 24, use
+
+
 @pytest.mark.parametrize("mask,dtype", [("causal", "bf16"), ("draft", "fp16")])
 def test_pair_kernel_compiles_for_sm90_within_shared_memory(mask, dtype):
     """Two warpgroups, key tiles in pairs: each tile's scores once, by its owner, as m64n64
@@ -212,7 +227,10 @@ def test_gluon_matches_float64_latent_attention(heads, q_lens, seq_lens, mask, b
 @pytest.mark.parametrize("heads,q_len,variant", [(16, 1, "serial"), (16, 7, "serial"),
                                                  (16, 7, "overlap"), (128, 1, "overlap"),
                                                  (128, 1, "pingpong"), (16, 7, "pingpong"),
-                                                 (128, 1, "pair"), (16, 7, "pair")])
+                                                 (128, 1, "pair"), (16, 7, "pair"),
+                                                 (128, 1, "pingpong_early"),
+                                                 (128, 1, "pingpong_halves"),
+                                                 (16, 7, "pingpong_halves")])
 def test_kept_plan_matches_float64_on_every_call(heads, q_len, variant):
     """Calls with max_query_len / max_seq_len keep their plan: later calls launch through
     the compiled launcher with the cached descriptors. Fresh queries every call; a second

@@ -11,9 +11,10 @@ are explicit. One program = one request x one row tile x one KV split.
   sums stay per thread until the end); P (bf16) through shared memory; O += P V split by
   output columns (each warpgroup 256 columns, fp32 accumulators in registers).
   ``OVERLAP`` (``gluon="overlap"``) leaves each value product in flight behind the next
-  tile's scores; ``mla_gluon_pp`` holds a warp-specialized ping-pong variant
-  (``gluon="pingpong"``). Both measured slower than the default (docs/kernels.md, "MLA,
-  Gluon second pass").
+  tile's scores. This kernel is ``gluon="serial"``; the default for 64-row tiles is now
+  the warp-specialized ping-pong kernel of ``mla_gluon_pp`` with early slot release
+  (``ROWS_DEFAULT``; 7% faster on the H200, docs/kernels.md "MLA, Gluon 64-row pass");
+  ``mla_gluon_pph`` and ``mla_gluon_pair`` hold two more variants.
 - ``_mla_gluon_swap`` (<= 16 rows: decode with <= 16 heads): one warpgroup, keys on the
   MMA's M side, so no row is padded to 64.
 - Both: 64-key page tiles arrive by TMA (512 latent + 64 rope columns, NVMMA-swizzled) in a
@@ -499,9 +500,10 @@ def tile_rows(rows_per_request: int) -> int:
 # tile's value product before the next tile's scores; "overlap" queues them back to back;
 # "pingpong" is the warp-specialized ``mla_gluon_pp._mla_gluon_pp``, "pingpong_early" the same
 # with each slot released before the softmax that follows its last value product; "pair" is
-# ``mla_gluon_pair._mla_gluon_pair`` (two warpgroups, key tiles in pairs, half-slot refills)
-ROWS_VARIANTS = ("serial", "overlap", "pingpong", "pingpong_early", "pair")
-ROWS_DEFAULT = "serial"
+# ``mla_gluon_pair._mla_gluon_pair`` (two warpgroups, key tiles in pairs, half-slot refills);
+# "pingpong_halves" is ``mla_gluon_pph._mla_gluon_pph`` (ping-pong over half-tile slots)
+ROWS_VARIANTS = ("serial", "overlap", "pingpong", "pingpong_early", "pair", "pingpong_halves")
+ROWS_DEFAULT = "pingpong_early"
 
 
 class Plan:
@@ -530,7 +532,8 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     swap = block_m == SWAP_ROWS
     variant = variant or ROWS_DEFAULT
     pair = variant == "pair" and not swap
-    kd, rd = descriptors(cache, RANK // 2 if pair else RANK)
+    halves = variant == "pingpong_halves" and not swap
+    kd, rd = descriptors(cache, RANK // 2 if pair or halves else RANK)
     num_blocks, block_size = cache.shape[:2]
     rows, heads = ql.shape[:2]
     consts = dict(R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
@@ -544,6 +547,10 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
         from pagedkv.ops.triton.mla_gluon_pair import _mla_gluon_pair
 
         fn, consts["num_warps"] = _mla_gluon_pair, 4
+    elif halves:
+        from pagedkv.ops.triton.mla_gluon_pph import PPH_MAXNREG, _mla_gluon_pph
+
+        fn, consts["num_warps"], consts["maxnreg"] = _mla_gluon_pph, 4, PPH_MAXNREG
     elif variant.startswith("pingpong"):
         from pagedkv.ops.triton.mla_gluon_pp import PP_MAXNREG, _mla_gluon_pp
 
