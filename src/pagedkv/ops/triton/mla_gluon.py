@@ -12,9 +12,9 @@ are explicit. One program = one request x one row tile x one KV split.
   output columns (each warpgroup 256 columns, fp32 accumulators in registers).
   ``OVERLAP`` (``gluon="overlap"``) leaves each value product in flight behind the next
   tile's scores. This kernel is ``gluon="serial"``; the default for 64-row tiles is now
-  the warp-specialized ping-pong kernel of ``mla_gluon_pp`` with early slot release
-  (``ROWS_DEFAULT``; 7% faster on the H200, docs/kernels.md "MLA, Gluon 64-row pass");
-  ``mla_gluon_pph`` and ``mla_gluon_pair`` hold two more variants.
+  the warp-specialized ping-pong kernel over half-tile slots, ``mla_gluon_pph``
+  (``ROWS_DEFAULT``; 1.35x this kernel on the H200, docs/kernels.md "MLA, Gluon 64-row
+  pass"); ``mla_gluon_pp`` and ``mla_gluon_pair`` hold the slower variants it grew from.
 - ``_mla_gluon_swap`` (<= 16 rows: decode with <= 16 heads): one warpgroup, keys on the
   MMA's M side, so no row is padded to 64.
 - Both: 64-key page tiles arrive by TMA (512 latent + 64 rope columns, NVMMA-swizzled) in a
@@ -503,7 +503,7 @@ def tile_rows(rows_per_request: int) -> int:
 # ``mla_gluon_pair._mla_gluon_pair`` (two warpgroups, key tiles in pairs, half-slot refills);
 # "pingpong_halves" is ``mla_gluon_pph._mla_gluon_pph`` (ping-pong over half-tile slots)
 ROWS_VARIANTS = ("serial", "overlap", "pingpong", "pingpong_early", "pair", "pingpong_halves")
-ROWS_DEFAULT = "pingpong_early"
+ROWS_DEFAULT = "pingpong_halves"
 
 
 class Plan:

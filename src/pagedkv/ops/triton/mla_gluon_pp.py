@@ -1,10 +1,11 @@
 """Paged absorbed MLA in Gluon for Hopper: the warp-specialized ping-pong variant of the
 64-row kernel: two consumer warpgroups on alternate key tiles (m64n64 scores, each tile's
 scores computed once), P over the tile's rope part, the kernel's own warpgroup issuing the
-copies. ``EARLY`` (``gluon="pingpong_early"``, the default for 64-row tiles): each
-warpgroup releases the other's slot before its own softmax, not after it (7% faster than
-``mla_gluon._mla_gluon_fwd`` on the H200; plain ``gluon="pingpong"`` 1-2%: docs/kernels.md,
-"MLA, Gluon 64-row pass"). Shared pieces come from ``mla_gluon``."""
+copies. ``EARLY`` (``gluon="pingpong_early"``): each warpgroup releases the other's slot
+before its own softmax, not after it (7% faster than ``mla_gluon._mla_gluon_fwd`` on the
+H200; plain ``gluon="pingpong"`` 1-2%). The default, ``mla_gluon_pph``, is this kernel over
+half-tile slots (docs/kernels.md, "MLA, Gluon 64-row pass"). Shared pieces come from
+``mla_gluon``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Paged absorbed MLA in Gluon for Hopper: the ping-pong kernel with half-tile slots
-(``paged_mla_latent(..., gluon="pingpong_halves")``). Why: in ``mla_gluon_pp`` a ring slot
+(``paged_mla_latent(..., gluon="pingpong_halves")``, the default for more than 16 rows per
+request: 1.35x ``mla_gluon._mla_gluon_fwd`` on the H200, docs/kernels.md "MLA, Gluon 64-row
+pass"). Why: in ``mla_gluon_pp`` a ring slot
 is refilled only once both consumer warpgroups are done with all of it, and the copy of
 tile t + 2 then waits behind the later of the two value products of tile t. Here each slot
 is two halves, each read by one warpgroup's value products besides the owner's scores:
