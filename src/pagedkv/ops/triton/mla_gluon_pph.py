@@ -1,20 +1,22 @@
-"""Paged absorbed MLA in Gluon for Hopper: the ping-pong kernel with half-tile slots
-(``paged_mla_latent(..., gluon="pingpong_halves")``, the default for more than 16 rows per
-request: 1.35x ``mla_gluon._mla_gluon_fwd`` on the H200, docs/kernels.md "MLA, Gluon 64-row
-pass"). Why: in ``mla_gluon_pp`` a ring slot
-is refilled only once both consumer warpgroups are done with all of it, and the copy of
-tile t + 2 then waits behind the later of the two value products of tile t. Here each slot
-is two halves, each read by one warpgroup's value products besides the owner's scores:
+"""Paged absorbed MLA in Gluon for Hopper: the 64-row kernel for more than 16 rows per
+request (``paged_mla_latent(..., gluon="pingpong_halves")``, the default there: 1.35x
+``mla_gluon._mla_gluon_fwd``, "serial", on the H200, docs/kernels.md "MLA, Gluon 64-row
+pass"). Warp-specialized after FlashMLA's sm90 decode design (read, not copied): two
+consumer warpgroups take alternate 64-key tiles and the kernel's own warpgroup issues the
+copies. Tile t's owner (warpgroup t % 2, ring slot t % 2) computes its 64 x 64 scores and
+softmax and publishes the row maximum, the rescale factor and P through shared memory; both
+warpgroups accumulate their 256 output columns over every tile, the owner's own value
+product taking P from registers. Each ring slot is two halves, each read by one
+warpgroup's value products besides the owner's scores:
 - L (latent columns 0-255): warpgroup 0's products (its output columns);
 - R (latent columns 256-511 and the rope): warpgroup 1's products; P of a slot-0 tile is
   written over that tile's rope part (warpgroup 1 reads it with the R half), P of a slot-1
   tile goes to its own buffer (warpgroup 0 reads it with the L half);
 so each half has its own ready and empty barriers and is refilled as soon as its one reader
-is done, and the scores start on the half that is usually refilled first. The owner's own
-value product takes P from registers. Otherwise as ``mla_gluon_pp`` with ``EARLY``: tile
-t's owner (warpgroup t % 2, slot t % 2) computes its 64 x 64 scores and softmax and
-publishes the row maximum, the rescale factor and P; both warpgroups accumulate their 256
-output columns over every tile; the kernel's own warpgroup issues the copies.
+is done (a whole slot would wait for the later of the two value products), each warpgroup
+releases the other's slot before its own softmax, and the scores start on the half that is
+usually refilled first. Slower variants tried on the way (a ping-pong over whole slots, a
+FlashMLA-like pair schedule, an overlapped serial kernel) are recorded in docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -24,13 +26,44 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from pagedkv.ops.triton.mla_gluon import _extents, _flag_bad, _split_tiles
-from pagedkv.ops.triton.mla_gluon_pair import HALF, _copy_half, _zero_keys
 
+HALF = gl.constexpr(256)  # latent columns per slot half
+
+
+@gluon.jit
+def _copy_half(kd, rd, bufs, bar, page, n0, block_size, num_blocks, pred, G: gl.constexpr,
+               R: gl.constexpr):
+    """TMA copy of one half of the tile at key n0: L (G == 0: latent 0-255) or R (latent
+    256-511 and the rope)."""
+    kv_l, kv_r, kr = bufs
+    page = gl.where((page < 0) | (page >= num_blocks), 0, page)  # flagged at compute time
+    row = page * block_size + n0 % block_size
+    if G == 0:
+        mbarrier.expect(bar, kd.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(kd, [row, 0], bar, kv_l, pred=pred)
+    else:
+        mbarrier.expect(bar, kd.block_type.nbytes + rd.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(kd, [row, HALF], bar, kv_r, pred=pred)
+        tma.async_copy_global_to_shared(rd, [row, R], bar, kr, pred=pred)
+
+
+@gluon.jit
+def _zero_keys(v, n0, lim, BLOCK_N: gl.constexpr, z_l: gl.constexpr):
+    """Zero the rows (keys) >= lim of a landed half tile [64 keys, 256]: slots past the
+    sequence may hold NaN (a zero probability times NaN is NaN); lim <= n0 zeroes all."""
+    keep = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, z_l)) < lim)[:, None]
+    for c in gl.static_range(HALF // 64):
+        chunk = v.slice(c * 64, 64, dim=1)
+        x = chunk.load(z_l)
+        chunk.store(gl.where(keep, x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
 PPH_MAXNREG = 168  # 3 warpgroups at launch; consumers 240, producer 24 (setmaxnreg)
 
 
