@@ -117,10 +117,11 @@ def record(case: str, name: str, fn, nbytes: int, ref: torch.Tensor | None, flop
 
 
 GLUON = [False]  # --gluon: MLA bf16 also with gluon=False / True and other splits
-# (PAGEDKV_BENCH_GLUON_VARIANTS: a comma list of the 64-row variants to time, default all)
+# (PAGEDKV_BENCH_GLUON_VARIANTS: a comma list of the 64-row variants to time, default the
+# first Gluon kernel and the current default, mla_gluon.ROWS_VARIANTS lists them all)
 GLUON_VARIANTS = [{"gluon": False}] + [
     {"gluon": v} for v in os.environ.get("PAGEDKV_BENCH_GLUON_VARIANTS",
-                                         "serial,overlap,pingpong").split(",") if v]
+                                         "serial,pingpong_halves").split(",") if v]
 # PAGEDKV_BENCH_MLA_FAMILIES: a comma list of the MLA families to run (mla_q1, mla_rows,
 # mla_h128, mla_ds, mla_fp8; default all)
 MLA_FAMILIES = [f for f in os.environ.get("PAGEDKV_BENCH_MLA_FAMILIES", "").split(",") if f]

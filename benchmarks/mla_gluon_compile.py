@@ -5,8 +5,9 @@ local-memory accesses inside the key loop (SASS), and the count of each wgmma / 
 instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full]
-[bf16|fp16|fp8] [rows|overlap|pingpong|swap] (fp8: an e4m3 cache, bf16 queries; swap only) (64-row tiles; the same with the value product left in
-flight; the warp-specialized ping-pong kernel; the transposed <= 16-row kernel)
+[bf16|fp16|fp8] [rows|pingpong_halves|swap] (fp8: an e4m3 cache, bf16 queries; swap only)
+(the serial 64-row kernel; the warp-specialized ping-pong kernel over half-tile slots; the
+transposed <= 16-row kernel)
 (run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
 """
 
@@ -26,23 +27,23 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from pagedkv.ops.triton import mla_gluon, mla_gluon_pp
+from pagedkv.ops.triton import mla_gluon, mla_gluon_pph
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows"):
     swap = kernel == "swap"
-    fn = {"swap": mla_gluon._mla_gluon_swap, "pingpong": mla_gluon_pp._mla_gluon_pp}.get(
-        kernel, mla_gluon._mla_gluon_fwd)
+    halves = kernel == "pingpong_halves"
+    fn = mla_gluon._mla_gluon_swap if swap else mla_gluon_pph._mla_gluon_pph if halves \
+        else mla_gluon._mla_gluon_fwd
     fp8 = dtype == "fp8"  # an e4m3 cache, bf16 queries (the transposed kernel only)
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[dtype]
-    kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt))
+    kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt),
+                                   256 if halves else mla_gluon.RANK)
     const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
                  BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
                  HAS_DRAFT=mask == "draft")
-    if kernel in ("rows", "overlap"):
-        const["OVERLAP"] = kernel == "overlap"
     if swap:
         const["WIDEN"] = fp8
     q = "*fp16" if dtype == "fp16" else "*bf16"
@@ -60,9 +61,9 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
         else:
             sig[name] = "fp32" if name in ("scale", "lscale") else "i32"
     src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
-    options = {"num_warps": 4 if kernel in ("swap", "pingpong") else 8}
-    if kernel == "pingpong":
-        options["maxnreg"] = mla_gluon_pp.PP_MAXNREG
+    options = {"num_warps": 4 if swap or halves else 8}
+    if halves:
+        options["maxnreg"] = mla_gluon_pph.PPH_MAXNREG
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

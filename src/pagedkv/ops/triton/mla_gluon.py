@@ -10,10 +10,9 @@ are explicit. One program = one request x one row tile x one KV split.
   every score computed once; the row maxima cross the warpgroups in the reduction, row
   sums stay per thread until the end); P (bf16) through shared memory; O += P V split by
   output columns (each warpgroup 256 columns, fp32 accumulators in registers).
-  ``OVERLAP`` (``gluon="overlap"``) leaves each value product in flight behind the next
-  tile's scores; ``mla_gluon_pp`` holds a warp-specialized ping-pong variant
-  (``gluon="pingpong"``). Both measured slower than the default (docs/kernels.md, "MLA,
-  Gluon second pass").
+  This kernel is ``gluon="serial"``; the default for 64-row tiles is the warp-specialized
+  ping-pong kernel over half-tile slots, ``mla_gluon_pph`` (``ROWS_DEFAULT``; 1.35x this
+  kernel on the H200, docs/kernels.md "MLA, Gluon 64-row pass").
 - ``_mla_gluon_swap`` (<= 16 rows: decode with <= 16 heads): one warpgroup, keys on the
   MMA's M side, so no row is padded to 64.
 - Both: 64-key page tiles arrive by TMA (512 latent + 64 rope columns, NVMMA-swizzled) in a
@@ -41,7 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -116,9 +114,11 @@ def _widen(kv8, kr8, kw, kwr, n0, seq_len, dt: gl.constexpr, BLOCK_N: gl.constex
 @gluon.jit
 def _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt, stride_qh, stride_rt,
              stride_rh, dt: gl.constexpr, BLOCK_M: gl.constexpr, R: gl.constexpr,
-             P: gl.constexpr, q_l: gl.constexpr):
+             P: gl.constexpr, q_l: gl.constexpr, LEAD: gl.constexpr = False):
     """The tile's (query row, head) rows -> NVMMA shared memory, latent and rope parts (rows
-    past q_len: zeros)."""
+    past q_len: zeros). ``LEAD``: as [1, rows, cols] buffers, which a kernel indexes by a value
+    the compiler cannot fold, so that ptxas keeps the wgmma descriptors in the key loop
+    instead of hoisting (and spilling) them."""
     mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
     rq = mq // heads
     hq = mq % heads
@@ -128,12 +128,20 @@ def _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt, stride_qh, 
     cp = gl.arange(0, P, layout=gl.SliceLayout(0, q_l))
     q = gl.load(ql_ptr + tq[:, None] * stride_qt + hq[:, None] * stride_qh + cr[None, :],
                 mask=qmask, other=0.0)
-    q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, R], dt), q)
+    ql_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dt)
+    if LEAD:
+        q_smem = gl.allocate_shared_memory(dt, [1, BLOCK_M, R], ql_layout)
+        q_smem.index(0).store(q)
+    else:
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, R], ql_layout, q)
     qr = gl.load(qr_ptr + tq[:, None] * stride_rt + hq[:, None] * stride_rh + cp[None, :],
                  mask=qmask, other=0.0)
-    qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, P], dt), qr)
+    qr_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, P], dt)
+    if LEAD:
+        qr_smem = gl.allocate_shared_memory(dt, [1, BLOCK_M, P], qr_layout)
+        qr_smem.index(0).store(qr)
+    else:
+        qr_smem = gl.allocate_shared_memory(dt, [BLOCK_M, P], qr_layout, qr)
     return q_smem, qr_smem
 
 
@@ -177,13 +185,9 @@ def _mla_gluon_fwd(
     num_blocks, block_size, heads, scale, draft, tiles, num_splits,
     R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
-    OVERLAP: gl.constexpr = False,
 ):
     """Program (b x tile, split): rows tile*64.. of request b, this split's keys; writes
-    split ``split`` of the workspace. ``OVERLAP``: the value product of tile i is left in
-    flight and tile i + 1's score product queued right behind it (the tensor cores run
-    both back to back); the value product is waited for only then, and its slot refilled
-    (with tile i + 2) at the same point as without OVERLAP, after both warpgroups are done."""
+    split ``split`` of the workspace."""
     gl.static_assert(gl.num_warps() == 8)
     dt: gl.constexpr = kd.dtype
     # scores [64 rows, 64 keys]: warpgroup g computes keys 32g..32g+31
@@ -233,8 +237,6 @@ def _mla_gluon_fwd(
     # end: only the row maxima cross the warpgroups per tile
     l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
     acc = gl.zeros([BLOCK_M, R], gl.float32, layout=o_l)
-    if OVERLAP:  # carried through the loop as an in-flight value product
-        acc = warpgroup_mma_init(acc)
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
     kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
     for it in range(n_tiles):
@@ -253,14 +255,6 @@ def _mla_gluon_fwd(
             _zero_past_end(kv, n0, seq_len, BLOCK_N, R, z_l)
         s = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
-        if OVERLAP:
-            # the previous tile's value product (committed before these scores' two groups,
-            # latent and rope) is done; once both warpgroups are past here its slot and P
-            # are free: refill the slot with the tile after this one (block id: page_b)
-            acc = warpgroup_mma_wait(2, deps=[acc])
-            gl.thread_barrier()
-            _issue(kd, rd, kv_smem, kr_smem, bars, page_b, n0 + BLOCK_N, 1 - stage,
-                   block_size, num_blocks, (it > 0) & (it + 1 < n_tiles), R)
         s = warpgroup_mma_wait(0, deps=[s])
         keys = n0 + kn
         seen = (keys[None, :] < hi[:, None]) & (bad == 0)
@@ -276,15 +270,12 @@ def _mla_gluon_fwd(
         gl.thread_barrier()
         acc = acc * gl.convert_layout(alpha, orow)[:, None]
         acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
-        if not OVERLAP:
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            gl.thread_barrier()  # both warpgroups are done with this slot and with P
-            _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
-                   block_size, num_blocks, refill, R)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # both warpgroups are done with this slot and with P
+        _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+               block_size, num_blocks, refill, R)
         page_a = page_b
         page_b = page_next
-    if OVERLAP:
-        acc = warpgroup_mma_wait(0, deps=[acc])
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -429,9 +420,10 @@ def _mla_gluon_swap(
     gl.store(ws_o + base[None, :] * R + co[:, None], acc * lscale, mask=rmask[None, :])
 
 
-def descriptors(cache: torch.Tensor):
+def descriptors(cache: torch.Tensor, latent_box: int = RANK):
     """(latent, rope) Gluon tensor descriptors over the cache seen as one row per slot:
-    [64, 512] and [64, 64] boxes, 128-byte swizzle."""
+    [64, latent_box] (512, or 256 for the half-tile slots of ``mla_gluon_pph``) and [64, 64] boxes,
+    128-byte swizzle."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     num_blocks, block_size, width = cache.shape
@@ -440,8 +432,8 @@ def descriptors(cache: torch.Tensor):
     rows = num_blocks * block_size
     flat = cache.view(rows, width) if cache.is_contiguous() else cache.as_strided(
         (rows, width), (cache.stride(1), 1))
-    kd = TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BLOCK_N, RANK],
-                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], dt))
+    kd = TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BLOCK_N, latent_box],
+                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, latent_box], dt))
     rd = TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BLOCK_N, ROPE],
                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dt))
     return kd, rd
@@ -484,11 +476,11 @@ def tile_rows(rows_per_request: int) -> int:
     return SWAP_ROWS if rows_per_request <= SWAP_ROWS else BLOCK_M
 
 
-# 64-row kernel variants (``paged_mla_latent(gluon=...)`` names one): "serial" waits for each
-# tile's value product before the next tile's scores; "overlap" queues them back to back;
-# "pingpong" is the warp-specialized ``mla_gluon_pp._mla_gluon_pp``
-ROWS_VARIANTS = ("serial", "overlap", "pingpong")
-ROWS_DEFAULT = "serial"
+# 64-row kernel variants (``paged_mla_latent(gluon=...)`` names one): "serial" is
+# ``_mla_gluon_fwd`` (each tile's steps in sequence), "pingpong_halves"
+# ``mla_gluon_pph._mla_gluon_pph`` (warp-specialized, half-tile slots)
+ROWS_VARIANTS = ("serial", "pingpong_halves")
+ROWS_DEFAULT = "pingpong_halves"
 
 
 class Plan:
@@ -514,11 +506,12 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
          latent_scale: float | None = None) -> Plan:
     """Grid (batch x tiles, splits), each program writing its split of a workspace of
     ``splits`` splits that the combine merges into ``out``. Tensor values are not read."""
-    kd, rd = descriptors(cache)
-    num_blocks, block_size = cache.shape[:2]
-    rows, heads = ql.shape[:2]
     swap = block_m == SWAP_ROWS
     variant = variant or ROWS_DEFAULT
+    halves = variant == "pingpong_halves" and not swap
+    kd, rd = descriptors(cache, RANK // 2 if halves else RANK)
+    num_blocks, block_size = cache.shape[:2]
+    rows, heads = ql.shape[:2]
     consts = dict(R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, num_warps=8)
     widen = cache.dtype == torch.float8_e4m3fn
@@ -526,12 +519,12 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     if swap:
         fn, consts["num_warps"], consts["WIDEN"] = _mla_gluon_swap, 4, widen
         scalars = (float(latent_scale if widen else 1.0),)
-    elif variant == "pingpong":
-        from pagedkv.ops.triton.mla_gluon_pp import PP_MAXNREG, _mla_gluon_pp
+    elif halves:
+        from pagedkv.ops.triton.mla_gluon_pph import PPH_MAXNREG, _mla_gluon_pph
 
-        fn, consts["num_warps"], consts["maxnreg"] = _mla_gluon_pp, 4, PP_MAXNREG
+        fn, consts["num_warps"], consts["maxnreg"] = _mla_gluon_pph, 4, PPH_MAXNREG
     else:
-        fn, consts["OVERLAP"] = _mla_gluon_fwd, variant == "overlap"
+        fn = _mla_gluon_fwd
     kernel = Launch(fn,
                     (seq_lens.shape[0] * tiles, splits), (
                         kd, rd, ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1),
