@@ -109,7 +109,7 @@ class GroupManager:
                         f"block {src} before the forward that writes it")
                 dst = pool.allocate(1, self.gid)[0]
                 table.append(dst)
-                req.copy_src[i] = src
+                req.set_copy_src(i, src)
                 self.ops.append(CopyOp("copy", self.gid, src, dst, h))
         else:
             table = req.tables[i]

@@ -178,13 +178,28 @@ class ElasticPool(BlockPool):
         if n == 1 and not self.lean:  # a decode step's block: _take_lowest(1), inlined
             free = self.free
             b = free[0] if free else (self.fresh if self.fresh < self.num_blocks else -1)
-            if b >= 0 and self.ledger.try_use_one(self.pool_id, b):
-                if free:
-                    heapq.heappop(free)
-                else:
-                    self.fresh = b + 1
+            if b >= 0:
+                if self.ledger.try_use_one(self.pool_id, b):
+                    if free:
+                        heapq.heappop(free)
+                    else:
+                        self.fresh = b + 1
+                    ref[b] = 1
+                    group[b] = group_id
+                    self.used[group_id] += 1
+                    return [b]
+            elif self.evictable:  # no plain id: the LRU's oldest, as the loop below takes it
+                b, _ = self.evictable.popitem(last=False)
+                h = self.block_hash[b]
+                g = group[b]
+                del self.caches[g][h]
+                self.block_hash[b] = None
+                if self.events.enabled:
+                    self.events.emit("removed", g, (h,), (b,))
                 ref[b] = 1
                 group[b] = group_id
+                self.evictions += 1
+                self.epoch += 1
                 self.used[group_id] += 1
                 return [b]
         if not self.free and self.fresh >= self.num_blocks and n <= len(self.evictable):

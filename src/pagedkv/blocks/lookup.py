@@ -32,7 +32,7 @@ class PrefixLookup:
         self.any_caching = any(m.caching for m in self.managers)
         self.block_sizes = tuple(sorted({m.bs for m in self.managers}))
         self._extend = hash_extender(hash_algo)
-        self._hash_one = block_hasher(hash_algo)
+        self.hash_one = block_hasher(hash_algo)
         # one block size: a decode step's newly full block is hashed on a short path
         self._only_bs = self.block_sizes[0] if len(self.block_sizes) == 1 else 0
         self._mixer = key_mixer(hash_algo)
@@ -54,7 +54,7 @@ class PrefixLookup:
             if hashes:
                 n = len(hashes)
                 if len(tokens) // bs == n + 1:  # one block filled while decoding
-                    hashes.append(self._hash_one(hashes[-1], tokens[n * bs:(n + 1) * bs]))
+                    hashes.append(self.hash_one(hashes[-1], tokens[n * bs:(n + 1) * bs]))
                     return
         for bs in self.block_sizes:
             hashes = req.hashes.get(bs)

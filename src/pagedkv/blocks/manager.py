@@ -174,6 +174,10 @@ class KVCacheManager:
         self._full_only = self._pool_per_group and all(type(m) is FullManager
                                                        for m in self.managers)
         self._pool_by_id = {p.pool_id: p for p in self.pools}
+        # one full-attention group that caches: a step's boundary commits on a short path
+        self._edge_manager = (self.managers[0] if len(self.managers) == 1
+                              and type(self.managers[0]) is FullManager
+                              and self.managers[0].caching else None)
         # the full sweep walks every block id: by default it runs about once per that many
         # calls (at least every 1,024), so its cost per call stays a small constant
         self.sweep_every = sweep_every or max(1024, sum(p.num_blocks for p in self.pools) // 2)
@@ -363,14 +367,21 @@ class KVCacheManager:
                 f"token counts must be >= 0, got {num_new_tokens} and {num_lookahead}")
         reqs = self._reqs
         k = num_new_tokens + num_lookahead
+        # a decode step's new block, nothing pending: _grow directly (what _allocate_slow
+        # would call first), the general path only when it says no
+        grow = self._grow if self._full_only and num_new_tokens <= 1 else None
         for i, rid in enumerate(request_ids):
             try:
                 req = reqs[rid]  # a subscript: cheaper than dict.get on every request
             except KeyError:
                 req = self._req(rid)  # raises, naming it
-            if (req.num_computed + k > req.fast_limit
-                    and not self._allocate_slow(req, num_new_tokens, num_lookahead)):
-                return i
+            end = req.num_computed + k
+            if end > req.fast_limit:
+                if (grow is not None and req.pending is None
+                        and end <= len(req.tokens) + num_lookahead and grow(req, end)):
+                    continue
+                if not self._allocate_slow(req, num_new_tokens, num_lookahead):
+                    return i
         return len(request_ids)
 
     def _allocate_slow(self, req: RequestState, n: int, lookahead: int) -> bool:
@@ -716,18 +727,68 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"{len(request_ids)} requests but {len(new_tokens)} sampled tokens")
         reqs = self._reqs
-        for rid, tok in zip(request_ids, new_tokens):
-            try:
-                req = reqs[rid]
-            except KeyError:
-                req = self._req(rid)  # raises, naming it
-            c = req.num_computed + 1
-            if c > req.slot_limit:
-                self.commit(rid, 1, (tok,))  # raises with the details
-            req.tokens.append(tok)
-            req.num_computed = c
-            if not req.last_block_start < c < req.next_event:
+        edges: list[RequestState] = []  # requests whose step has work: after the plain ones
+        try:
+            for rid, tok in zip(request_ids, new_tokens):
+                try:
+                    req = reqs[rid]
+                except KeyError:
+                    req = self._req(rid)  # raises, naming it
+                c = req.num_computed + 1
+                if c > req.slot_limit:
+                    self.commit(rid, 1, (tok,))  # raises with the details
+                req.tokens.append(tok)
+                req.num_computed = c
+                if not req.last_block_start < c < req.next_event:
+                    edges.append(req)
+        finally:  # a plain commit touches only its own request: the order among edges holds
+            if edges:
+                self._commit_edges(edges)
+
+    def _commit_edges(self, edges: list[RequestState]) -> None:
+        """:meth:`_commit_slow` for each of a step's requests that reached work. With one
+        full-attention group that caches, a block filled while decoding is hashed and
+        cached here, in one loop with the lookups hoisted (what ``hash_full_blocks`` and
+        ``offer`` do for one block); any other case takes the general path."""
+        m = self._edge_manager
+        if m is None or self.event_log.enabled:
+            for req in edges:
                 self._commit_slow(req)
+            return
+        self._sync_ledger()  # what the first _commit_slow would do
+        bs = m.bs
+        k = m.offset
+        cache = m.cache
+        block_hash = m.pool.block_hash
+        null = m.pool.null
+        hash_one = self.prefix.hash_one
+        for req in edges:
+            c = req.num_computed
+            hashes = req.hashes.get(bs)
+            if (not hashes or req.last_block_start >= c or req.copy_src[0] is not None
+                    or req.unwritten[0] or req.mm_spans):
+                self._commit_slow(req)
+                continue
+            tokens = req.tokens
+            n = len(hashes)
+            full = len(tokens) // bs
+            if full == n + 1:  # one block filled while decoding
+                hashes.append(hash_one(hashes[-1], tokens[n * bs:full * bs]))
+            elif full != n:
+                self._commit_slow(req)
+                continue
+            start = req.ncached[0]
+            limit = min((c - k) // bs, len(req.tables[0]), len(hashes))
+            if limit != start + 1:
+                req.next_event = m.commit(req)
+                continue
+            b = req.tables[0][start]
+            h = hashes[start]
+            if b != null and block_hash[b] is None and h not in cache:
+                cache[h] = b
+                block_hash[b] = h
+            req.ncached[0] = limit
+            req.next_event = (limit + 1) * bs + k
 
     def _commit_slow(self, req: RequestState) -> None:
         ledger = self.ledger
