@@ -36,6 +36,10 @@ class PrefixLookup:
         # one block size: a decode step's newly full block is hashed on a short path
         self._only_bs = self.block_sizes[0] if len(self.block_sizes) == 1 else 0
         self._mixer = key_mixer(hash_algo)
+        # per block size: the last prompt hashed whole (tokens, keys, root), and how many
+        # leading blocks it shared with the one before (_hash_prompt)
+        self._last: dict[int, tuple[list[int], list[int], int]] = {}
+        self._shared: dict[int, int] = {}
         self.queries = 0
         self.hits = 0
 
@@ -64,10 +68,13 @@ class PrefixLookup:
             stop = len(tokens) // bs
             if stop <= start:
                 continue
-            parent = hashes[-1] if hashes else req.root
             if not req.mm_spans:
-                self._extend(tokens, start, stop, bs, parent, hashes)
+                if start:
+                    self._extend(tokens, start, stop, bs, hashes[-1], hashes)
+                else:
+                    self._hash_prompt(req, bs, stop, hashes)
                 continue
+            parent = hashes[-1] if hashes else req.root
             for j in range(start, stop):  # blocks with multimodal content mix its ids in
                 self._extend(tokens, j, j + 1, bs, parent, hashes)
                 lo, hi = j * bs, (j + 1) * bs
@@ -75,6 +82,31 @@ class PrefixLookup:
                 if ids:
                     hashes[-1] = self._mixer(hashes[-1], ids)
                 parent = hashes[-1]
+
+    def _hash_prompt(self, req: RequestState, bs: int, stop: int, hashes: list[int]) -> None:
+        """A new prompt's keys (no multimodal spans). The leading blocks it shares with the
+        last prompt hashed here (same root) are copied, not hashed again: requests of
+        one system prompt or conversation arrive in a row. Exact: the tokens are compared
+        (one C-level list comparison) and a block's key depends only on the root and the
+        tokens up to its end. How many blocks to try is what the last two prompts shared."""
+        tokens = req.tokens
+        last = self._last.get(bs)
+        self._last[bs] = (tokens, hashes, req.root)
+        c = 0
+        if last is not None and last[2] == req.root:
+            prev_tokens, prev, _ = last
+            c = min(self._shared.get(bs, 0), stop, len(prev))
+            if c and tokens[:c * bs] == prev_tokens[:c * bs]:
+                hashes += prev[:c]
+            else:
+                c = 0
+        if stop > c:
+            self._extend(tokens, c, stop, bs, hashes[-1] if c else req.root, hashes)
+        if last is not None and last[2] == req.root:
+            n = min(len(hashes), len(prev))
+            while c < n and hashes[c] == prev[c]:  # equal keys: (almost surely) equal blocks
+                c += 1
+        self._shared[bs] = c
 
     def lookup(self, req: RequestState) -> int:
         """Tokens of ``req`` cached in every group; leaves the hit pending on ``req``."""
