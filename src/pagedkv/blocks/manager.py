@@ -55,6 +55,28 @@ def _null_pages(groups: Iterable[Group]) -> int:
     return max((reserved_blocks(g.retention) for g in groups), default=0)
 
 
+class _Revived(dict):
+    """Pool id -> hit blocks an admission takes back out of the pool's LRU. A plain
+    group's new-block count does not need them, so its are listed only when the fit
+    check asks (the usual admission, whose pool fits whatever they are, never does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lazy: dict[int, list[tuple[GroupManager, list[BlockId]]]] = {}
+
+    def most(self, pid: int) -> int:
+        """An upper bound on ``len(self.get(pid))``, without listing anything."""
+        return len(dict.get(self, pid, ())) + sum(len(h) for _, h in self.lazy.get(pid, ()))
+
+    def get(self, pid: int, default: object = ()) -> object:  # type: ignore[override]
+        todo = self.lazy.pop(pid, None)
+        if todo:
+            out = self.setdefault(pid, [])
+            for m, hit in todo:
+                out += m.revived(hit)
+        return dict.get(self, pid, default)
+
+
 def debug_from_env() -> bool:
     return os.environ.get("PAGEDKV_DEBUG", "").strip() not in ("", "0", "false", "no")
 
@@ -558,20 +580,23 @@ class KVCacheManager:
         return True
 
     def _elastic_need(self, req: RequestState, end: int, hits: list[list[BlockId]] | None
-                      ) -> tuple[dict[int, int], dict[int, list[BlockId]]]:
+                      ) -> tuple[dict[int, int], _Revived]:
         """Per pool: blocks to hand out anew, and hit blocks taken back out of its LRU."""
         need: dict[int, int] = {}
-        revived: dict[int, list[BlockId]] = {}
+        revived = _Revived()
         for m in self.managers:
-            k, back = m.new_and_revived(req, end, hits[m.index] if hits is not None else None)
+            hit = hits[m.index] if hits is not None else None
+            k, back = m.new_and_revived(req, end, hit)
             pid = m.pool.pool_id
             if k:
                 need[pid] = need.get(pid, 0) + k
-            if back:
+            if back is None:  # counted without them: listed if the fit check asks
+                revived.lazy.setdefault(pid, []).append((m, hit))
+            elif back:
                 revived.setdefault(pid, []).extend(back)
         return need, revived
 
-    def _elastic_fits(self, need: Mapping[int, int], revived: Mapping[int, list[BlockId]]
+    def _elastic_fits(self, need: Mapping[int, int], revived: _Revived
                       ) -> tuple[bool, list[BlockPool], list[BlockPool]]:
         """Whether ``need`` (pool id -> new blocks) fits; which pools must reuse their own
         cached blocks rather than map new pages (the budget is short); which map pages.
@@ -591,14 +616,22 @@ class KVCacheManager:
                 return True, [], []
         costs: list[tuple[BlockPool, int]] = []
         cached: dict[int, int] = {}  # pool id -> cached blocks it may evict for itself
+
+        def own_cached(pool: BlockPool) -> int:
+            pid = pool.pool_id
+            if pid not in cached:
+                cached[pid] = len(pool.evictable) - len(revived.get(pid, ()))
+            return cached[pid]
+
         total = 0
         for pool in self.pools:
             k = need.get(pool.pool_id, 0)
             if not k:
                 continue
             plain = pool.num_plain_free()
-            cached[pool.pool_id] = len(pool.evictable) - len(revived.get(pool.pool_id, ()))
-            if k > plain + cached[pool.pool_id]:
+            # enough even if every hit block left the LRU: no need to list them
+            if (k > plain + len(pool.evictable) - revived.most(pool.pool_id)
+                    and k > plain + own_cached(pool)):
                 return False, [], []
             c = pool.cost_of(min(k, plain))  # type: ignore[attr-defined]
             costs.append((pool, c))
@@ -611,7 +644,7 @@ class KVCacheManager:
         total = 0
         costly = []
         for p in lean:
-            beyond = need[p.pool_id] - cached[p.pool_id]
+            beyond = need[p.pool_id] - own_cached(p)
             c = p.cost_of(beyond) if beyond > 0 else 0  # type: ignore[attr-defined]
             if c:
                 costly.append(p)
