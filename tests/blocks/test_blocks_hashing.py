@@ -270,3 +270,22 @@ def test_prompts_sharing_the_last_prompts_blocks_get_their_keys_by_definition(se
                 assert req.hashes[bs][:1] == by_def(toks, bs, root)[:1]  # before the span
             else:
                 assert req.hashes.get(bs, []) == by_def(toks, bs, root)
+
+
+def test_a_prompt_sharing_the_last_two_prompts_head_reuses_their_keys():
+    from block_groups import group
+
+    from pagedkv.blocks import KVCacheManager
+    from pagedkv.kvspec import Full
+
+    m = KVCacheManager([group(0, Full(), 4, 400)], hash_algo="fast-single-tenant",
+                       checked=False)
+    system = list(range(1000, 1020))  # 5 blocks
+    for i, tail in enumerate(([1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13, 14, 15])):
+        m.add_request(i, system + tail)
+    keys = [m.requests[i].hashes[4] for i in range(3)]
+    assert keys[2] == _fast_chain(system + [10, 11, 12, 13, 14, 15], 4, m.requests[2].root)
+    assert all(a is b for a, b in zip(keys[2][:5], keys[1][:5]))  # copied, not hashed again
+    assert keys[2][5] is not keys[1][5]
+    m.add_request(3, [5] + system)  # starts otherwise: hashed, by definition
+    assert m.requests[3].hashes[4] == _fast_chain([5] + system, 4, m.requests[3].root)

@@ -36,10 +36,9 @@ class PrefixLookup:
         # one block size: a decode step's newly full block is hashed on a short path
         self._only_bs = self.block_sizes[0] if len(self.block_sizes) == 1 else 0
         self._mixer = key_mixer(hash_algo)
-        # per block size: the last prompt hashed whole (tokens, keys, root), and how many
-        # leading blocks it shared with the one before (_hash_prompt)
-        self._last: dict[int, tuple[list[int], list[int], int]] = {}
-        self._shared: dict[int, int] = {}
+        # per block size, from the last prompt hashed whole (_hash_prompt): its root, the
+        # tokens and keys of the blocks it shared with the one before, all its keys
+        self._last: dict[int, tuple[int, list[int], list[int], list[int]]] = {}
         self.queries = 0
         self.hits = 0
 
@@ -84,29 +83,33 @@ class PrefixLookup:
                 parent = hashes[-1]
 
     def _hash_prompt(self, req: RequestState, bs: int, stop: int, hashes: list[int]) -> None:
-        """A new prompt's keys (no multimodal spans). The leading blocks it shares with the
-        last prompt hashed here (same root) are copied, not hashed again: requests of
-        one system prompt or conversation arrive in a row. Exact: the tokens are compared
-        (one C-level list comparison) and a block's key depends only on the root and the
-        tokens up to its end. How many blocks to try is what the last two prompts shared."""
+        """A new prompt's keys (no multimodal spans). The leading blocks the last two
+        prompts hashed here shared (the head: a system prompt, a conversation so far) are
+        copied, not hashed again, when this prompt starts with them too and has the same
+        root. Exact: the tokens are compared (one C-level list comparison), and a block's
+        key depends only on the root and the tokens up to its end."""
         tokens = req.tokens
+        root = req.root
         last = self._last.get(bs)
-        self._last[bs] = (tokens, hashes, req.root)
+        same_root = last is not None and last[0] == root
         c = 0
-        if last is not None and last[2] == req.root:
-            prev_tokens, prev, _ = last
-            c = min(self._shared.get(bs, 0), stop, len(prev))
-            if c and tokens[:c * bs] == prev_tokens[:c * bs]:
-                hashes += prev[:c]
+        if same_root:
+            _, head_tokens, head_keys, prev = last  # type: ignore[misc]
+            c = len(head_keys)
+            if c and c <= stop and tokens[:c * bs] == head_tokens:
+                hashes += head_keys
             else:
                 c = 0
+        reused = c
         if stop > c:
-            self._extend(tokens, c, stop, bs, hashes[-1] if c else req.root, hashes)
-        if last is not None and last[2] == req.root:
-            n = min(len(hashes), len(prev))
-            while c < n and hashes[c] == prev[c]:  # equal keys: (almost surely) equal blocks
+            self._extend(tokens, c, stop, bs, hashes[-1] if c else root, hashes)
+        if same_root:  # the head this prompt shares with the last one (equal keys: almost
+            n = min(len(hashes), len(prev))  # surely equal blocks; the next prompt compares)
+            while c < n and hashes[c] == prev[c]:
                 c += 1
-        self._shared[bs] = c
+        if not same_root or c != reused:
+            head_tokens, head_keys = tokens[:c * bs], hashes[:c]
+        self._last[bs] = (root, head_tokens, head_keys, hashes)
 
     def lookup(self, req: RequestState) -> int:
         """Tokens of ``req`` cached in every group; leaves the hit pending on ``req``."""
