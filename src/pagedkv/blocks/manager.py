@@ -10,6 +10,9 @@ allocations run only when some group reaches its next boundary (``next_event``).
 boundary, when every group is full attention in a pool of its own and no hit is pending,
 ``_grow`` takes the next blocks directly (the general path's checks and choices, without
 its per-pool bookkeeping; tests/blocks/test_blocks_elastic.py drives both side by side).
+``allocate_batch`` calls it directly; ``commit_batch`` commits a step's plain decodes first
+and hashes and caches the blocks its boundary ones filled after, in one loop
+(``_commit_edges``; tests/blocks/test_blocks_batched_edges.py against per-request calls).
 """
 
 from __future__ import annotations
