@@ -56,8 +56,11 @@ class PrefixLookup:
             hashes = req.hashes.get(bs)
             if hashes:
                 n = len(hashes)
-                if len(tokens) // bs == n + 1:  # one block filled while decoding
-                    hashes.append(self.hash_one(hashes[-1], tokens[n * bs:(n + 1) * bs]))
+                full = len(tokens) // bs
+                if full == n + 1:  # one block filled while decoding
+                    hashes.append(self.hash_one(hashes[-1], tokens[n * bs:full * bs]))
+                    return
+                if full == n:  # nothing new (a prefill's allocation and commit)
                     return
         for bs in self.block_sizes:
             hashes = req.hashes.get(bs)

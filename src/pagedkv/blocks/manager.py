@@ -66,10 +66,20 @@ class _Revived(dict):
     def __init__(self) -> None:
         super().__init__()
         self.lazy: dict[int, list[tuple[GroupManager, list[BlockId]]]] = {}
+        self.bound: dict[int, int] = {}  # pool id -> hit blocks listed or not
+
+    def add(self, pid: int, m: GroupManager, hit: list[BlockId],
+            back: list[BlockId] | None) -> None:
+        """``m``'s hit blocks in pool ``pid``: ``back`` the revived ones, None if unlisted."""
+        self.bound[pid] = self.bound.get(pid, 0) + (len(hit) if back is None else len(back))
+        if back is None:
+            self.lazy.setdefault(pid, []).append((m, hit))
+        elif back:
+            self.setdefault(pid, []).extend(back)
 
     def most(self, pid: int) -> int:
         """An upper bound on ``len(self.get(pid))``, without listing anything."""
-        return len(dict.get(self, pid, ())) + sum(len(h) for _, h in self.lazy.get(pid, ()))
+        return self.bound.get(pid, 0)
 
     def get(self, pid: int, default: object = ()) -> object:  # type: ignore[override]
         todo = self.lazy.pop(pid, None)
@@ -593,10 +603,8 @@ class KVCacheManager:
             pid = m.pool.pool_id
             if k:
                 need[pid] = need.get(pid, 0) + k
-            if back is None:  # counted without them: listed if the fit check asks
-                revived.lazy.setdefault(pid, []).append((m, hit))
-            elif back:
-                revived.setdefault(pid, []).extend(back)
+            if hit:  # None: counted without them, listed if the fit check asks
+                revived.add(pid, m, hit, back)
         return need, revived
 
     def _elastic_fits(self, need: Mapping[int, int], revived: _Revived
@@ -640,7 +648,7 @@ class KVCacheManager:
             costs.append((pool, c))
             total += c
         if total <= free:
-            return True, [], [p for p, c in costs if c]
+            return True, [], [p for p, c in costs if c] if total else []
         # the budget is short: every pool that would map pages reuses its own cached
         # blocks first, so it maps exactly the pages of its lowest plain ids beyond them
         lean = [p for p, c in costs if c]
