@@ -268,19 +268,17 @@ class ElasticPool(BlockPool):
         plain = []
         try:
             for b in blocks:
-                if b == null:
-                    continue
                 r = ref[b] - 1
-                if r == 0:
+                if r > 0:  # still shared: the common case first
+                    ref[b] = r
+                elif r == 0:  # (the null block's count stays 0: never here)
                     ref[b] = 0
                     freed += 1
                     if block_hash[b] is None:
                         plain.append(b)
                     else:
                         evictable[b] = None
-                elif r > 0:
-                    ref[b] = r
-                else:
+                elif b != null:
                     raise CacheCorruptedError(f"pool {self.pool_id}: block {b} released twice")
         finally:
             self.used[group_id] -= freed
