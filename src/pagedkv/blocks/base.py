@@ -206,7 +206,8 @@ class GroupManager:
             req.ncached[i] = limit
             start = limit
             if stored and unwritten:
-                fresh = [table[j] for j in stored]
+                fresh = (table[stored[0]:limit] if len(stored) == limit - stored[0]
+                         else [table[j] for j in stored])  # usually every block: a slice
                 self.unwritten.update(fresh)
                 mine = req.unwritten[i]
                 if mine:

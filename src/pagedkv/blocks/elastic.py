@@ -209,19 +209,20 @@ class ElasticPool(BlockPool):
             popitem = self.evictable.popitem
             block_hash = self.block_hash
             caches = self.caches
-            events = self.events
+            events = self.events if self.events.enabled else None
             out = []
+            append = out.append
             for _ in range(n):
-                b, _ = popitem(last=False)
+                b, _ = popitem(False)
                 h = block_hash[b]
                 g = group[b]
                 del caches[g][h]
                 block_hash[b] = None
-                if events.enabled:
+                if events is not None:
                     events.emit("removed", g, (h,), (b,))
                 ref[b] = 1
                 group[b] = group_id
-                out.append(b)
+                append(b)
             self.evictions += n
             self.epoch += n
             self.used[group_id] += n

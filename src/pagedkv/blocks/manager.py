@@ -726,6 +726,11 @@ class KVCacheManager:
         admission.check_fits(self.managers, end, self.max_batched_tokens, None)
 
     def _update_limits(self, req: RequestState, end: int) -> None:
+        if self._edge_manager is not None:  # one full-attention group: its table alone
+            bs = self._edge_manager.bs
+            req.fast_limit = req.slot_limit = n = len(req.tables[0]) * bs
+            req.last_block_start = n - bs
+            return
         limit = INF
         last = -1
         for m in self._token_managers:
