@@ -44,7 +44,8 @@ class PrefixLookup:
 
     def epoch(self) -> int:
         """Changes whenever any cached block loses its hash (a pending hit may be stale)."""
-        return sum(p.epoch for p in self.pools)
+        pools = self.pools
+        return pools[0].epoch if len(pools) == 1 else sum(p.epoch for p in pools)
 
     def hash_full_blocks(self, req: RequestState) -> None:
         """Extend every block size's hash chain over newly full blocks of known tokens."""
@@ -123,7 +124,7 @@ class PrefixLookup:
             req.fast_limit = req.slot_limit = -1
             return 0
         h = len(req.tokens) - 1
-        hits: list[list[int]] = [[] for _ in managers]
+        hits: list[list[int]] = [[]] if len(managers) == 1 else [[] for _ in managers]
         answers = [-1] * len(managers)
         branch = -1  # what the token groups alone have cached: where requests diverge
         while True:  # fixed point: every group's longest valid hit of at most h equals h
