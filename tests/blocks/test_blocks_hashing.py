@@ -225,3 +225,67 @@ def test_fast_hash_matches_its_definition():
         for toks in prompts:
             for bs in (4, 16):
                 assert chain("fast-single-tenant", toks, bs, 9) == by_definition(toks, bs, 9)
+
+
+def _fast_chain(toks, bs, parent):
+    out, h = [], parent
+    for i in range(len(toks) // bs):
+        h = hash((h, tuple(toks[i * bs:(i + 1) * bs])))
+        out.append(h)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), algo=st.sampled_from(["sha256", "fast-single-tenant"]))
+def test_prompts_sharing_the_last_prompts_blocks_get_their_keys_by_definition(seed, algo):
+    # add_request copies the keys of the leading blocks a prompt shares with the last one
+    # hashed (same root); in a row of prompts that share, diverge early, late, inside a
+    # block, switch tenant (extra keys) or secret, are shorter than a block or carry
+    # multimodal spans, every key of both block sizes is its chain by definition
+    from block_groups import group
+
+    from pagedkv.blocks import KVCacheManager
+    from pagedkv.kvspec import Full
+
+    rng = random.Random(seed)
+    secret = rng.choice([b"", b"s3cret"])
+    m = KVCacheManager([group(0, Full(), 4, 400), group(1, Full(), 8, 400)], hash_algo=algo,
+                       hash_secret=secret, checked=False)
+    bases = [[rng.randrange(1 << 20) for _ in range(120)] for _ in range(2)]
+    by_def = _fast_chain if algo == "fast-single-tenant" else _sha_chain
+    for i in range(30):
+        base = bases[rng.randrange(2)] if rng.random() < 0.9 else []
+        toks = base[:rng.randrange(0, 120)] + [rng.randrange(1 << 20)
+                                               for _ in range(rng.randrange(1, 30))]
+        if rng.random() < 0.2 and len(toks) > 3:
+            toks[rng.randrange(len(toks))] ^= 1  # one changed token, anywhere
+        keys = rng.choice([(), (), ("tenant-b",)])
+        spans = [(9, 10, 77)] if rng.random() < 0.1 and len(toks) > 10 else []
+        m.add_request(i, toks, extra_keys=keys, mm_spans=spans)
+        req = m.requests[i]
+        root = root_hash(keys, secret)
+        assert req.root == root
+        for bs in (4, 8):
+            if spans:
+                assert req.hashes[bs][:1] == by_def(toks, bs, root)[:1]  # before the span
+            else:
+                assert req.hashes.get(bs, []) == by_def(toks, bs, root)
+
+
+def test_a_prompt_sharing_the_last_two_prompts_head_reuses_their_keys():
+    from block_groups import group
+
+    from pagedkv.blocks import KVCacheManager
+    from pagedkv.kvspec import Full
+
+    m = KVCacheManager([group(0, Full(), 4, 400)], hash_algo="fast-single-tenant",
+                       checked=False)
+    system = list(range(1000, 1020))  # 5 blocks
+    for i, tail in enumerate(([1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13, 14, 15])):
+        m.add_request(i, system + tail)
+    keys = [m.requests[i].hashes[4] for i in range(3)]
+    assert keys[2] == _fast_chain(system + [10, 11, 12, 13, 14, 15], 4, m.requests[2].root)
+    assert all(a is b for a, b in zip(keys[2][:5], keys[1][:5]))  # copied, not hashed again
+    assert keys[2][5] is not keys[1][5]
+    m.add_request(3, [5] + system)  # starts otherwise: hashed, by definition
+    assert m.requests[3].hashes[4] == _fast_chain([5] + system, 4, m.requests[3].root)

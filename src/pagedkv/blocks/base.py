@@ -79,19 +79,24 @@ class GroupManager:
         return max(0, cdiv(end, self.bs) - adopted) + revived
 
     def new_and_revived(self, req: RequestState, end: int, hit: list[BlockId] | None
-                        ) -> tuple[int, list[BlockId]]:
+                        ) -> tuple[int, list[BlockId] | None]:
         """:meth:`blocks_needed` split into blocks the pool must hand out anew and the hit
         blocks it takes back out of its LRU (already holding data: they cost no bytes, but
-        they can no longer be evicted to make room)."""
+        they can no longer be evicted to make room). None for the latter when the count
+        did not need them: :meth:`revived` lists them."""
         if not hit:
             return self.blocks_needed(req, end, hit), []
-        ref = self.pool.ref
-        null = self.pool.null
-        revived = [b for b in hit if b != null and ref[b] == 0]
         if type(self).blocks_needed is GroupManager.blocks_needed:  # its sum, not done twice
             adopted = len(hit) - (1 if req.pending.tokens % self.bs else 0)
-            return max(0, cdiv(end, self.bs) - adopted), revived
+            return max(0, cdiv(end, self.bs) - adopted), None
+        revived = self.revived(hit)
         return self.blocks_needed(req, end, hit) - len(revived), revived
+
+    def revived(self, hit: list[BlockId]) -> list[BlockId]:
+        """The blocks of ``hit`` in the pool's LRU (no reference): adopting takes them out."""
+        ref = self.pool.ref
+        null = self.pool.null
+        return [b for b in hit if b != null and ref[b] == 0]
 
     def allocate(self, req: RequestState, end: int, hit: list[BlockId] | None) -> None:
         i = self.index
@@ -109,7 +114,7 @@ class GroupManager:
                         f"block {src} before the forward that writes it")
                 dst = pool.allocate(1, self.gid)[0]
                 table.append(dst)
-                req.copy_src[i] = src
+                req.set_copy_src(i, src)
                 self.ops.append(CopyOp("copy", self.gid, src, dst, h))
         else:
             table = req.tables[i]
@@ -201,7 +206,8 @@ class GroupManager:
             req.ncached[i] = limit
             start = limit
             if stored and unwritten:
-                fresh = [table[j] for j in stored]
+                fresh = (table[stored[0]:limit] if len(stored) == limit - stored[0]
+                         else [table[j] for j in stored])  # usually every block: a slice
                 self.unwritten.update(fresh)
                 mine = req.unwritten[i]
                 if mine:

@@ -178,13 +178,28 @@ class ElasticPool(BlockPool):
         if n == 1 and not self.lean:  # a decode step's block: _take_lowest(1), inlined
             free = self.free
             b = free[0] if free else (self.fresh if self.fresh < self.num_blocks else -1)
-            if b >= 0 and self.ledger.try_use_one(self.pool_id, b):
-                if free:
-                    heapq.heappop(free)
-                else:
-                    self.fresh = b + 1
+            if b >= 0:
+                if self.ledger.try_use_one(self.pool_id, b):
+                    if free:
+                        heapq.heappop(free)
+                    else:
+                        self.fresh = b + 1
+                    ref[b] = 1
+                    group[b] = group_id
+                    self.used[group_id] += 1
+                    return [b]
+            elif self.evictable:  # no plain id: the LRU's oldest, as the loop below takes it
+                b, _ = self.evictable.popitem(last=False)
+                h = self.block_hash[b]
+                g = group[b]
+                del self.caches[g][h]
+                self.block_hash[b] = None
+                if self.events.enabled:
+                    self.events.emit("removed", g, (h,), (b,))
                 ref[b] = 1
                 group[b] = group_id
+                self.evictions += 1
+                self.epoch += 1
                 self.used[group_id] += 1
                 return [b]
         if not self.free and self.fresh >= self.num_blocks and n <= len(self.evictable):
@@ -194,19 +209,20 @@ class ElasticPool(BlockPool):
             popitem = self.evictable.popitem
             block_hash = self.block_hash
             caches = self.caches
-            events = self.events
+            events = self.events if self.events.enabled else None
             out = []
+            append = out.append
             for _ in range(n):
-                b, _ = popitem(last=False)
+                b, _ = popitem(False)
                 h = block_hash[b]
                 g = group[b]
                 del caches[g][h]
                 block_hash[b] = None
-                if events.enabled:
+                if events is not None:
                     events.emit("removed", g, (h,), (b,))
                 ref[b] = 1
                 group[b] = group_id
-                out.append(b)
+                append(b)
             self.evictions += n
             self.epoch += n
             self.used[group_id] += n
@@ -253,19 +269,17 @@ class ElasticPool(BlockPool):
         plain = []
         try:
             for b in blocks:
-                if b == null:
-                    continue
                 r = ref[b] - 1
-                if r == 0:
+                if r > 0:  # still shared: the common case first
+                    ref[b] = r
+                elif r == 0:  # (the null block's count stays 0: never here)
                     ref[b] = 0
                     freed += 1
                     if block_hash[b] is None:
                         plain.append(b)
                     else:
                         evictable[b] = None
-                elif r > 0:
-                    ref[b] = r
-                else:
+                elif b != null:
                     raise CacheCorruptedError(f"pool {self.pool_id}: block {b} released twice")
         finally:
             self.used[group_id] -= freed

@@ -24,4 +24,5 @@ class FullManager(GroupManager):
             tokens -= tokens % bs  # that block is written by this step: not copied yet
         if tokens <= 0:
             return 0, []
-        return tokens, blocks[:cdiv(tokens, bs)]
+        n = cdiv(tokens, bs)
+        return tokens, blocks if n == len(blocks) else blocks[:n]

@@ -32,16 +32,20 @@ class PrefixLookup:
         self.any_caching = any(m.caching for m in self.managers)
         self.block_sizes = tuple(sorted({m.bs for m in self.managers}))
         self._extend = hash_extender(hash_algo)
-        self._hash_one = block_hasher(hash_algo)
+        self.hash_one = block_hasher(hash_algo)
         # one block size: a decode step's newly full block is hashed on a short path
         self._only_bs = self.block_sizes[0] if len(self.block_sizes) == 1 else 0
         self._mixer = key_mixer(hash_algo)
+        # per block size, from the last prompt hashed whole (_hash_prompt): its root, the
+        # tokens and keys of the blocks it shared with the one before, all its keys
+        self._last: dict[int, tuple[int, list[int], list[int], list[int]]] = {}
         self.queries = 0
         self.hits = 0
 
     def epoch(self) -> int:
         """Changes whenever any cached block loses its hash (a pending hit may be stale)."""
-        return sum(p.epoch for p in self.pools)
+        pools = self.pools
+        return pools[0].epoch if len(pools) == 1 else sum(p.epoch for p in pools)
 
     def hash_full_blocks(self, req: RequestState) -> None:
         """Extend every block size's hash chain over newly full blocks of known tokens."""
@@ -53,8 +57,11 @@ class PrefixLookup:
             hashes = req.hashes.get(bs)
             if hashes:
                 n = len(hashes)
-                if len(tokens) // bs == n + 1:  # one block filled while decoding
-                    hashes.append(self._hash_one(hashes[-1], tokens[n * bs:(n + 1) * bs]))
+                full = len(tokens) // bs
+                if full == n + 1:  # one block filled while decoding
+                    hashes.append(self.hash_one(hashes[-1], tokens[n * bs:full * bs]))
+                    return
+                if full == n:  # nothing new (a prefill's allocation and commit)
                     return
         for bs in self.block_sizes:
             hashes = req.hashes.get(bs)
@@ -64,10 +71,13 @@ class PrefixLookup:
             stop = len(tokens) // bs
             if stop <= start:
                 continue
-            parent = hashes[-1] if hashes else req.root
             if not req.mm_spans:
-                self._extend(tokens, start, stop, bs, parent, hashes)
+                if start:
+                    self._extend(tokens, start, stop, bs, hashes[-1], hashes)
+                else:
+                    self._hash_prompt(req, bs, stop, hashes)
                 continue
+            parent = hashes[-1] if hashes else req.root
             for j in range(start, stop):  # blocks with multimodal content mix its ids in
                 self._extend(tokens, j, j + 1, bs, parent, hashes)
                 lo, hi = j * bs, (j + 1) * bs
@@ -75,6 +85,35 @@ class PrefixLookup:
                 if ids:
                     hashes[-1] = self._mixer(hashes[-1], ids)
                 parent = hashes[-1]
+
+    def _hash_prompt(self, req: RequestState, bs: int, stop: int, hashes: list[int]) -> None:
+        """A new prompt's keys (no multimodal spans). The leading blocks the last two
+        prompts hashed here shared (the head: a system prompt, a conversation so far) are
+        copied, not hashed again, when this prompt starts with them too and has the same
+        root. Exact: the tokens are compared (one C-level list comparison), and a block's
+        key depends only on the root and the tokens up to its end."""
+        tokens = req.tokens
+        root = req.root
+        last = self._last.get(bs)
+        same_root = last is not None and last[0] == root
+        c = 0
+        if same_root:
+            _, head_tokens, head_keys, prev = last  # type: ignore[misc]
+            c = len(head_keys)
+            if c and c <= stop and tokens[:c * bs] == head_tokens:
+                hashes += head_keys
+            else:
+                c = 0
+        reused = c
+        if stop > c:
+            self._extend(tokens, c, stop, bs, hashes[-1] if c else root, hashes)
+        if same_root:  # the head this prompt shares with the last one (equal keys: almost
+            n = min(len(hashes), len(prev))  # surely equal blocks; the next prompt compares)
+            while c < n and hashes[c] == prev[c]:
+                c += 1
+        if not same_root or c != reused:
+            head_tokens, head_keys = tokens[:c * bs], hashes[:c]
+        self._last[bs] = (root, head_tokens, head_keys, hashes)
 
     def lookup(self, req: RequestState) -> int:
         """Tokens of ``req`` cached in every group; leaves the hit pending on ``req``."""
@@ -85,7 +124,7 @@ class PrefixLookup:
             req.fast_limit = req.slot_limit = -1
             return 0
         h = len(req.tokens) - 1
-        hits: list[list[int]] = [[] for _ in managers]
+        hits: list[list[int]] = [[]] if len(managers) == 1 else [[] for _ in managers]
         answers = [-1] * len(managers)
         branch = -1  # what the token groups alone have cached: where requests diverge
         while True:  # fixed point: every group's longest valid hit of at most h equals h

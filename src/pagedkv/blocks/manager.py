@@ -10,6 +10,9 @@ allocations run only when some group reaches its next boundary (``next_event``).
 boundary, when every group is full attention in a pool of its own and no hit is pending,
 ``_grow`` takes the next blocks directly (the general path's checks and choices, without
 its per-pool bookkeeping; tests/blocks/test_blocks_elastic.py drives both side by side).
+``allocate_batch`` calls it directly; ``commit_batch`` commits a step's plain decodes first
+and hashes and caches the blocks its boundary ones filled after, in one loop
+(``_commit_edges``; tests/blocks/test_blocks_batched_edges.py against per-request calls).
 """
 
 from __future__ import annotations
@@ -53,6 +56,38 @@ _MANAGERS: dict[str, type[GroupManager]] = {
 def _null_pages(groups: Iterable[Group]) -> int:
     """Null blocks a pool serving ``groups`` reserves: one if any group needs it."""
     return max((reserved_blocks(g.retention) for g in groups), default=0)
+
+
+class _Revived(dict):
+    """Pool id -> hit blocks an admission takes back out of the pool's LRU. A plain
+    group's new-block count does not need them, so its are listed only when the fit
+    check asks (the usual admission, whose pool fits whatever they are, never does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lazy: dict[int, list[tuple[GroupManager, list[BlockId]]]] = {}
+        self.bound: dict[int, int] = {}  # pool id -> hit blocks listed or not
+
+    def add(self, pid: int, m: GroupManager, hit: list[BlockId],
+            back: list[BlockId] | None) -> None:
+        """``m``'s hit blocks in pool ``pid``: ``back`` the revived ones, None if unlisted."""
+        self.bound[pid] = self.bound.get(pid, 0) + (len(hit) if back is None else len(back))
+        if back is None:
+            self.lazy.setdefault(pid, []).append((m, hit))
+        elif back:
+            self.setdefault(pid, []).extend(back)
+
+    def most(self, pid: int) -> int:
+        """An upper bound on ``len(self.get(pid))``, without listing anything."""
+        return self.bound.get(pid, 0)
+
+    def get(self, pid: int, default: object = ()) -> object:  # type: ignore[override]
+        todo = self.lazy.pop(pid, None)
+        if todo:
+            out = self.setdefault(pid, [])
+            for m, hit in todo:
+                out += m.revived(hit)
+        return dict.get(self, pid, default)
 
 
 def debug_from_env() -> bool:
@@ -174,6 +209,10 @@ class KVCacheManager:
         self._full_only = self._pool_per_group and all(type(m) is FullManager
                                                        for m in self.managers)
         self._pool_by_id = {p.pool_id: p for p in self.pools}
+        # one full-attention group that caches: a step's boundary commits on a short path
+        self._edge_manager = (self.managers[0] if len(self.managers) == 1
+                              and type(self.managers[0]) is FullManager
+                              and self.managers[0].caching else None)
         # the full sweep walks every block id: by default it runs about once per that many
         # calls (at least every 1,024), so its cost per call stays a small constant
         self.sweep_every = sweep_every or max(1024, sum(p.num_blocks for p in self.pools) // 2)
@@ -363,14 +402,21 @@ class KVCacheManager:
                 f"token counts must be >= 0, got {num_new_tokens} and {num_lookahead}")
         reqs = self._reqs
         k = num_new_tokens + num_lookahead
+        # a decode step's new block, nothing pending: _grow directly (what _allocate_slow
+        # would call first), the general path only when it says no
+        grow = self._grow if self._full_only and num_new_tokens <= 1 else None
         for i, rid in enumerate(request_ids):
             try:
                 req = reqs[rid]  # a subscript: cheaper than dict.get on every request
             except KeyError:
                 req = self._req(rid)  # raises, naming it
-            if (req.num_computed + k > req.fast_limit
-                    and not self._allocate_slow(req, num_new_tokens, num_lookahead)):
-                return i
+            end = req.num_computed + k
+            if end > req.fast_limit:
+                if (grow is not None and req.pending is None
+                        and end <= len(req.tokens) + num_lookahead and grow(req, end)):
+                    continue
+                if not self._allocate_slow(req, num_new_tokens, num_lookahead):
+                    return i
         return len(request_ids)
 
     def _allocate_slow(self, req: RequestState, n: int, lookahead: int) -> bool:
@@ -547,20 +593,21 @@ class KVCacheManager:
         return True
 
     def _elastic_need(self, req: RequestState, end: int, hits: list[list[BlockId]] | None
-                      ) -> tuple[dict[int, int], dict[int, list[BlockId]]]:
+                      ) -> tuple[dict[int, int], _Revived]:
         """Per pool: blocks to hand out anew, and hit blocks taken back out of its LRU."""
         need: dict[int, int] = {}
-        revived: dict[int, list[BlockId]] = {}
+        revived = _Revived()
         for m in self.managers:
-            k, back = m.new_and_revived(req, end, hits[m.index] if hits is not None else None)
+            hit = hits[m.index] if hits is not None else None
+            k, back = m.new_and_revived(req, end, hit)
             pid = m.pool.pool_id
             if k:
                 need[pid] = need.get(pid, 0) + k
-            if back:
-                revived.setdefault(pid, []).extend(back)
+            if hit:  # None: counted without them, listed if the fit check asks
+                revived.add(pid, m, hit, back)
         return need, revived
 
-    def _elastic_fits(self, need: Mapping[int, int], revived: Mapping[int, list[BlockId]]
+    def _elastic_fits(self, need: Mapping[int, int], revived: _Revived
                       ) -> tuple[bool, list[BlockPool], list[BlockPool]]:
         """Whether ``need`` (pool id -> new blocks) fits; which pools must reuse their own
         cached blocks rather than map new pages (the budget is short); which map pages.
@@ -580,27 +627,35 @@ class KVCacheManager:
                 return True, [], []
         costs: list[tuple[BlockPool, int]] = []
         cached: dict[int, int] = {}  # pool id -> cached blocks it may evict for itself
+
+        def own_cached(pool: BlockPool) -> int:
+            pid = pool.pool_id
+            if pid not in cached:
+                cached[pid] = len(pool.evictable) - len(revived.get(pid, ()))
+            return cached[pid]
+
         total = 0
         for pool in self.pools:
             k = need.get(pool.pool_id, 0)
             if not k:
                 continue
             plain = pool.num_plain_free()
-            cached[pool.pool_id] = len(pool.evictable) - len(revived.get(pool.pool_id, ()))
-            if k > plain + cached[pool.pool_id]:
+            # enough even if every hit block left the LRU: no need to list them
+            if (k > plain + len(pool.evictable) - revived.most(pool.pool_id)
+                    and k > plain + own_cached(pool)):
                 return False, [], []
             c = pool.cost_of(min(k, plain))  # type: ignore[attr-defined]
             costs.append((pool, c))
             total += c
         if total <= free:
-            return True, [], [p for p, c in costs if c]
+            return True, [], [p for p, c in costs if c] if total else []
         # the budget is short: every pool that would map pages reuses its own cached
         # blocks first, so it maps exactly the pages of its lowest plain ids beyond them
         lean = [p for p, c in costs if c]
         total = 0
         costly = []
         for p in lean:
-            beyond = need[p.pool_id] - cached[p.pool_id]
+            beyond = need[p.pool_id] - own_cached(p)
             c = p.cost_of(beyond) if beyond > 0 else 0  # type: ignore[attr-defined]
             if c:
                 costly.append(p)
@@ -671,6 +726,11 @@ class KVCacheManager:
         admission.check_fits(self.managers, end, self.max_batched_tokens, None)
 
     def _update_limits(self, req: RequestState, end: int) -> None:
+        if self._edge_manager is not None:  # one full-attention group: its table alone
+            bs = self._edge_manager.bs
+            req.fast_limit = req.slot_limit = n = len(req.tables[0]) * bs
+            req.last_block_start = n - bs
+            return
         limit = INF
         last = -1
         for m in self._token_managers:
@@ -716,18 +776,68 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"{len(request_ids)} requests but {len(new_tokens)} sampled tokens")
         reqs = self._reqs
-        for rid, tok in zip(request_ids, new_tokens):
-            try:
-                req = reqs[rid]
-            except KeyError:
-                req = self._req(rid)  # raises, naming it
-            c = req.num_computed + 1
-            if c > req.slot_limit:
-                self.commit(rid, 1, (tok,))  # raises with the details
-            req.tokens.append(tok)
-            req.num_computed = c
-            if not req.last_block_start < c < req.next_event:
+        edges: list[RequestState] = []  # requests whose step has work: after the plain ones
+        try:
+            for rid, tok in zip(request_ids, new_tokens):
+                try:
+                    req = reqs[rid]
+                except KeyError:
+                    req = self._req(rid)  # raises, naming it
+                c = req.num_computed + 1
+                if c > req.slot_limit:
+                    self.commit(rid, 1, (tok,))  # raises with the details
+                req.tokens.append(tok)
+                req.num_computed = c
+                if not req.last_block_start < c < req.next_event:
+                    edges.append(req)
+        finally:  # a plain commit touches only its own request: the order among edges holds
+            if edges:
+                self._commit_edges(edges)
+
+    def _commit_edges(self, edges: list[RequestState]) -> None:
+        """:meth:`_commit_slow` for each of a step's requests that reached work. With one
+        full-attention group that caches, a block filled while decoding is hashed and
+        cached here, in one loop with the lookups hoisted (what ``hash_full_blocks`` and
+        ``offer`` do for one block); any other case takes the general path."""
+        m = self._edge_manager
+        if m is None or self.event_log.enabled:
+            for req in edges:
                 self._commit_slow(req)
+            return
+        self._sync_ledger()  # what the first _commit_slow would do
+        bs = m.bs
+        k = m.offset
+        cache = m.cache
+        block_hash = m.pool.block_hash
+        null = m.pool.null
+        hash_one = self.prefix.hash_one
+        for req in edges:
+            c = req.num_computed
+            hashes = req.hashes.get(bs)
+            if (not hashes or req.last_block_start >= c or req.copy_src[0] is not None
+                    or req.unwritten[0] or req.mm_spans):
+                self._commit_slow(req)
+                continue
+            tokens = req.tokens
+            n = len(hashes)
+            full = len(tokens) // bs
+            if full == n + 1:  # one block filled while decoding
+                hashes.append(hash_one(hashes[-1], tokens[n * bs:full * bs]))
+            elif full != n:
+                self._commit_slow(req)
+                continue
+            start = req.ncached[0]
+            limit = min((c - k) // bs, len(req.tables[0]), len(hashes))
+            if limit != start + 1:
+                req.next_event = m.commit(req)
+                continue
+            b = req.tables[0][start]
+            h = hashes[start]
+            if b != null and block_hash[b] is None and h not in cache:
+                cache[h] = b
+                block_hash[b] = h
+            req.ncached[0] = limit
+            req.next_event = (limit + 1) * bs + k
 
     def _commit_slow(self, req: RequestState) -> None:
         ledger = self.ledger

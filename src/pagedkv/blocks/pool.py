@@ -109,12 +109,13 @@ class BlockPool:
         null = self.null
         revived = 0
         for b in blocks:
-            if b == null:
-                continue
-            if ref[b] == 0:
+            r = ref[b]
+            if r:  # held by another request already: the common case first
+                ref[b] = r + 1
+            elif b != null:  # (the null block's count stays 0: never taken)
                 del evictable[b]
                 revived += 1
-            ref[b] += 1
+                ref[b] = 1
         self.used[group_id] += revived
 
     def release(self, blocks: list[BlockId], group_id: GroupId) -> None:
@@ -127,19 +128,17 @@ class BlockPool:
         null = self.null
         freed = 0
         for b in blocks:
-            if b == null:
-                continue
             r = ref[b] - 1
-            if r == 0:
+            if r > 0:  # still shared: the common case first
+                ref[b] = r
+            elif r == 0:  # (the null block's count stays 0: never here)
                 ref[b] = 0
                 freed += 1
                 if block_hash[b] is None:
                     free.append(b)
                 else:
                     evictable[b] = None
-            elif r > 0:
-                ref[b] = r
-            else:
+            elif b != null:
                 self.used[group_id] -= freed
                 raise CacheCorruptedError(f"pool {self.pool_id}: block {b} released twice")
         self.used[group_id] -= freed

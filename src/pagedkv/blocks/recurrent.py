@@ -169,7 +169,7 @@ class RecurrentManager(GroupManager):
             else:
                 pool.touch([src], self.gid)
                 req.tables[i] = slot = pool.allocate(1, self.gid)
-                req.copy_src[i] = src
+                req.set_copy_src(i, src)
                 op = CopyOp("restore", self.gid, src, slot[0], req.pending.tokens)
                 self.ops.append(op)
                 self.open_restores.append(OpenRestore(req, op))

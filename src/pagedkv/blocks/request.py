@@ -79,7 +79,8 @@ class RequestState:
         # hold one past their first commit): no list to allocate and track until then
         self.unwritten: list[list[BlockId] | tuple[()]] = [()] * n
         self.first_live: list[int] | tuple[int, ...] = [0] * n if windowed else _ZEROS[n]
-        self.copy_src: list[BlockId | None] = [None] * n
+        # a shared tuple of Nones until a hit ends inside a block (``set_copy_src``)
+        self.copy_src: list[BlockId | None] | tuple[None, ...] = _NONES[n]
         self.pending: PendingHit | None = None
         self.slot_limit = 0
         self.fast_limit = 0
@@ -91,6 +92,12 @@ class RequestState:
             self.marks: list[list[int]] | tuple[tuple[()], ...] = [[] for _ in range(n)]
         else:
             self.saves = self.marks = _EMPTIES[n]
+
+    def set_copy_src(self, i: int, block: BlockId) -> None:
+        """Group ``i`` copies ``block`` (a hit's partly cached last block) before the step."""
+        if type(self.copy_src) is tuple:
+            self.copy_src = list(self.copy_src)
+        self.copy_src[i] = block  # type: ignore[index]
 
     def reset(self) -> None:
         """Back to "nothing computed" (preemption): tokens and hashes stay for recompute."""
