@@ -247,8 +247,9 @@ def bench_loop(requests: int = 2000, max_running: int = 256, num_blocks: int = 2
             i += 1
         n_decode = len(scheduled)
         while len(waiting) < max_running and nxt < requests:
+            prompt = system + suffixes[nxt]  # built outside the timer, as the peer script does
             a = ns()
-            mgr.add_request(nxt, system + suffixes[nxt])
+            mgr.add_request(nxt, prompt)
             add("add_request", ns() - a)
             waiting.append(nxt)
             nxt += 1
