@@ -80,8 +80,9 @@ def _issue(kd, rd, kv_smem, kr_smem, bars, page, n0, stage, block_size, num_bloc
 
 @gluon.jit
 def _zero_past_end(kv, n0, seq_len, BLOCK_N: gl.constexpr, R: gl.constexpr, z_l: gl.constexpr):
-    """Zero the latent of the keys >= seq_len in a landed tile: slots past the sequence may
-    hold anything (NaN), and a zero probability times NaN is NaN in the value product."""
+    """Zero the R latent columns of the keys >= seq_len in a landed tile (a whole tile, or
+    one 256-column half in ``mla_gluon_pph``): slots past the sequence may hold anything
+    (NaN), and a zero probability times NaN is NaN in the value product."""
     keep = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, z_l)) < seq_len)[:, None]
     for c in gl.static_range(R // 64):
         chunk = kv.slice(c * 64, 64, dim=1)

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from pagedkv.ops.triton.mla_gluon import _extents, _flag_bad, _split_tiles
+from pagedkv.ops.triton.mla_gluon import _extents, _flag_bad, _split_tiles, _zero_past_end
 
 HALF = gl.constexpr(256)  # latent columns per slot half
 
@@ -53,17 +53,6 @@ def _copy_half(kd, rd, bufs, bar, page, n0, block_size, num_blocks, pred, G: gl.
         tma.async_copy_global_to_shared(rd, [row, R], bar, kr, pred=pred)
 
 
-@gluon.jit
-def _zero_keys(v, n0, lim, BLOCK_N: gl.constexpr, z_l: gl.constexpr):
-    """Zero the rows (keys) >= lim of a landed half tile [64 keys, 256]: slots past the
-    sequence may hold NaN (a zero probability times NaN is NaN); lim <= n0 zeroes all."""
-    keep = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, z_l)) < lim)[:, None]
-    for c in gl.static_range(HALF // 64):
-        chunk = v.slice(c * 64, 64, dim=1)
-        x = chunk.load(z_l)
-        chunk.store(gl.where(keep, x, gl.zeros_like(x)))
-    fence_async_shared()
-    gl.thread_barrier()
 PPH_MAXNREG = 168  # 3 warpgroups at launch; consumers 240, producer 24 (setmaxnreg)
 
 
@@ -132,8 +121,8 @@ def _pph_consumer(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
         if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
             mbarrier.wait(ready_l.index(G), ph)
             mbarrier.wait(ready_r.index(G), ph)
-            _zero_keys(own[0], n0, seq_len, BLOCK_N, z_l)
-            _zero_keys(own[1], n0, seq_len, BLOCK_N, z_l)
+            _zero_past_end(own[0], n0, seq_len, BLOCK_N, HALF, z_l)
+            _zero_past_end(own[1], n0, seq_len, BLOCK_N, HALF, z_l)
         s = _pph_scores(own, q_l.index(dyn), q_r.index(dyn), q_p.index(dyn), ready_l.index(G),
                         ready_r.index(G), ph, s0, G)
         if u >= 1:
