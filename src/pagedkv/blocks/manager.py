@@ -771,7 +771,10 @@ class KVCacheManager:
 
     def commit_batch(self, request_ids: Sequence[object], new_tokens: Sequence[int]) -> None:
         """``commit(rid, 1, [token])`` for each request of a decode step and its sampled
-        token."""
+        token. Each request at most once: a request listed twice is not detected (a check
+        would cost every step), and since the lookahead blocks a boundary commit gives back
+        are given back after the step's plain commits, a later entry of it may commit into
+        them, which per-request ``commit`` calls refuse."""
         if len(request_ids) != len(new_tokens):
             raise InvalidArgumentError(
                 f"{len(request_ids)} requests but {len(new_tokens)} sampled tokens")
