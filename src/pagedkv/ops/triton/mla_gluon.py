@@ -180,6 +180,13 @@ def _flag_bad(page, num_blocks, flag_ptr):
 
 
 @gluon.jit
+def _ws_rows(m, q_start, heads, num_splits, split):
+    """Workspace rows of this split for tile rows ``m`` (query row m // heads, head
+    m % heads): the layout ``combine`` reads."""
+    return ((q_start + m // heads).to(gl.int64) * heads + m % heads) * num_splits + split
+
+
+@gluon.jit
 def _mla_gluon_fwd(
     ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
@@ -280,13 +287,12 @@ def _mla_gluon_fwd(
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    base = (q_start + m_s // heads).to(gl.int64) * heads + m_s % heads
-    base = base * num_splits + split
+    base = _ws_rows(m_s, q_start, heads, num_splits, split)
     rmask = m_s // heads < q_len
     gl.store(ws_m + base, m_i, mask=rmask)
     gl.store(ws_l + base, gl.sum(l_acc, 1), mask=rmask)
     m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=orow)
-    base_o = ((q_start + m_o // heads).to(gl.int64) * heads + m_o % heads) * num_splits + split
+    base_o = _ws_rows(m_o, q_start, heads, num_splits, split)
     co = gl.arange(0, R, layout=gl.SliceLayout(0, o_l))
     gl.store(ws_o + base_o[:, None] * R + co[None, :], acc, mask=(m_o // heads < q_len)[:, None])
 
@@ -413,7 +419,7 @@ def _mla_gluon_swap(
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    base = ((q_start + m_r // heads).to(gl.int64) * heads + m_r % heads) * num_splits + split
+    base = _ws_rows(m_r, q_start, heads, num_splits, split)
     rmask = m_r // heads < q_len
     gl.store(ws_m + base, m_i, mask=rmask)
     gl.store(ws_l + base, l_i, mask=rmask)

@@ -31,7 +31,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from pagedkv.ops.triton.mla_gluon import _extents, _flag_bad, _split_tiles, _zero_past_end
+from pagedkv.ops.triton.mla_gluon import (
+    _extents,
+    _flag_bad,
+    _split_tiles,
+    _ws_rows,
+    _zero_past_end,
+)
 
 HALF = gl.constexpr(256)  # latent columns per slot half
 
@@ -198,12 +204,12 @@ def _pph_consumer(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
     else:
         mbarrier.wait(done.index(0), 0)
         l_i = l_i + stat.index(4).load(srow)
-        base = ((q_start + m_s // heads).to(gl.int64) * heads + m_s % heads) * num_splits + split
+        base = _ws_rows(m_s, q_start, heads, num_splits, split)
         rmask = m_s // heads < q_len
         gl.store(ws_m + base, m_prev, mask=rmask)
         gl.store(ws_l + base, l_i, mask=rmask)
     m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=orow)
-    base_o = ((q_start + m_o // heads).to(gl.int64) * heads + m_o % heads) * num_splits + split
+    base_o = _ws_rows(m_o, q_start, heads, num_splits, split)
     co = G * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
     gl.store(ws_o + base_o[:, None] * R + co[None, :], acc, mask=(m_o // heads < q_len)[:, None])
 
