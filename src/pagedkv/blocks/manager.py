@@ -403,8 +403,12 @@ class KVCacheManager:
         reqs = self._reqs
         k = num_new_tokens + num_lookahead
         # a decode step's new block, nothing pending: _grow directly (what _allocate_slow
-        # would call first), the general path only when it says no
+        # would call first), the general path only when it says no. With one group the
+        # step's growing requests are gathered and served by one pool call (_grow_all),
+        # before any general-path call and at the end, so blocks go out in request order
         grow = self._grow if self._full_only and num_new_tokens <= 1 else None
+        todo: list[tuple[int, RequestState, int]] | None = (
+            [] if grow is not None and len(self.managers) == 1 else None)
         for i, rid in enumerate(request_ids):
             try:
                 req = reqs[rid]  # a subscript: cheaper than dict.get on every request
@@ -413,11 +417,64 @@ class KVCacheManager:
             end = req.num_computed + k
             if end > req.fast_limit:
                 if (grow is not None and req.pending is None
-                        and end <= len(req.tokens) + num_lookahead and grow(req, end)):
-                    continue
+                        and end <= len(req.tokens) + num_lookahead):
+                    if todo is not None:
+                        todo.append((i, req, end))
+                        continue
+                    if grow(req, end):
+                        continue
+                if todo:
+                    short = self._grow_all(todo, num_new_tokens, num_lookahead)
+                    todo.clear()
+                    if short >= 0:
+                        return short
                 if not self._allocate_slow(req, num_new_tokens, num_lookahead):
                     return i
+        if todo:
+            short = self._grow_all(todo, num_new_tokens, num_lookahead)
+            if short >= 0:
+                return short
         return len(request_ids)
+
+    def _grow_all(self, todo: list[tuple[int, RequestState, int]], n: int,
+                  lookahead: int) -> int:
+        """:meth:`_grow` for each (index, request, end) of a step, in order, with one group:
+        when the pool's plain free blocks and the budget surely hold them all, one pool
+        call hands out the blocks each would take in turn (the lowest plain ids, or the
+        free stack's top). Else one by one, as ``allocate_batch`` would: the index of the
+        first that gets no slots (nothing changed for it or those after), or -1."""
+        m = self.managers[0]
+        pool = m.pool
+        ledger = self.ledger
+        bs = m.bs
+        i = m.index
+        need = [-(-end // bs) - len(req.tables[i]) for _, req, end in todo]
+        total = sum(need)
+        if ledger is None:
+            fits = total <= pool.num_free()
+        else:
+            if self.sync_steps and ledger.launched > ledger.finished:
+                ledger.step_finished(ledger.launched)
+            fits = (total <= pool.num_plain_free()  # type: ignore[attr-defined]
+                    and total * pool.worst_bytes <= ledger.free_bytes())  # type: ignore[attr-defined]
+        if not fits or min(need) <= 0:
+            for j, req, end in todo:
+                if not self._grow(req, end) and not self._allocate_slow(req, n, lookahead):
+                    return j
+            return -1
+        blocks = pool.allocate(total, m.gid)
+        at = 0
+        for (_, req, _), k in zip(todo, need):
+            table = req.tables[i]
+            if k == 1:
+                table.append(blocks[at])
+            else:
+                table += blocks[at:at + k]
+            at += k
+            last = len(table) * bs
+            req.fast_limit = req.slot_limit = last
+            req.last_block_start = last - bs
+        return -1
 
     def _allocate_slow(self, req: RequestState, n: int, lookahead: int) -> bool:
         if n < 0 or lookahead < 0:
