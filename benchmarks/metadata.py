@@ -69,9 +69,13 @@ BUCKETS = (64, 256, 1024)
 STATELESS, INCREMENTAL, PERSISTENT = (
     "build_metadata + view", "MetadataBuilder.step + view", "PersistentMetadata.step + view")
 DERIVED = "derive_on_device=True step + view"
+GRAPHS = "derive_on_device=True, derive_graphs=True step + view"
 APPENDS = "appends"
 LAUNCH = "derive call"
 HOST = "less the derive call"
+# per device-derived builder: its rows for the derive call (with graphs: the replay of the
+# delta's copy and the kernel) and for the rest of its step
+DERIVED_ROWS = {DERIVED: (LAUNCH, HOST), GRAPHS: ("graphs " + LAUNCH, "graphs " + HOST)}
 TOTAL = " total"  # appends + step + view of a builder: what an engine's step pays
 ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
           "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
@@ -154,9 +158,9 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
         builder = make()
         decode.load(builder)
         runs[name] = (decode, builder)
-    launches: list[int] = []
-    if DERIVED in runs:
-        timed_derive(runs[DERIVED][1], launches)
+    launches: dict[str, list[int]] = {name: [] for name in DERIVED_ROWS if name in runs}
+    for name, calls in launches.items():
+        timed_derive(runs[name][1], calls)
 
     def step(name: str, record: bool, check: bool) -> None:
         decode, builder = runs[name]
@@ -174,10 +178,11 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             times[name + TOTAL].append(t2 - t0)
             if name == INCREMENTAL:
                 times[APPENDS].append(t1 - t0)
-            if name == DERIVED:
-                launch = launches[-1] if launches else 0
-                times[LAUNCH].append(launch)
-                times[HOST].append(t2 - t1 - launch)
+            if name in launches:
+                calls = launches[name]
+                launch = calls[-1] if calls else 0
+                times[DERIVED_ROWS[name][0]].append(launch)
+                times[DERIVED_ROWS[name][1]].append(t2 - t1 - launch)
         if check:
             pad = {} if name == INCREMENTAL else dict(pad_batch_to=bucket, pad_tokens_to=bucket,
                                                       max_blocks=max_blocks)
@@ -187,8 +192,8 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
 
     times: dict[str, list[int]] = {name: [] for name in (
         STATELESS, INCREMENTAL, APPENDS, PERSISTENT, INCREMENTAL + TOTAL, PERSISTENT + TOTAL)}
-    if DERIVED in runs:
-        times.update({DERIVED: [], LAUNCH: [], HOST: [], DERIVED + TOTAL: []})
+    for name in launches:
+        times.update({key: [] for key in (name, *DERIVED_ROWS[name], name + TOTAL)})
     copied: dict[str, list[int]] = {name: [] for name in runs}  # bytes a step's copy covers
     mismatch: list = []
     warmup = 5
@@ -220,16 +225,17 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
     base = medians[STATELESS]
     rows = []
     for name in (STATELESS, INCREMENTAL, APPENDS, INCREMENTAL + TOTAL, PERSISTENT,
-                 PERSISTENT + TOTAL, DERIVED, LAUNCH, HOST, DERIVED + TOTAL):
+                 PERSISTENT + TOTAL, DERIVED, LAUNCH, HOST, DERIVED + TOTAL,
+                 GRAPHS, *DERIVED_ROWS[GRAPHS], GRAPHS + TOTAL):
         if name not in times:
             continue
         label = name
         if name == APPENDS:
             label = f"  appends (append_each, ~{batch / BLOCK:g} reqs)"
-        elif name == LAUNCH:
-            label = "  of which derive call"
-        elif name == HOST:
+        elif name.endswith(HOST):
             label = "  step + view less the derive call"
+        elif name.endswith(LAUNCH):
+            label = "  of which derive call" + (" (graph replay)" if name != LAUNCH else "")
         elif name.endswith(TOTAL):
             label = "  + appends (an engine's step)"
         owner = name.removesuffix(TOTAL)
@@ -238,10 +244,10 @@ def run_batch(batch: int, steps: int, run: int, dev: torch.device, g: Group,
             nbytes = statistics.median(copied[owner])
         rows.append((batch, label, medians[name], medians[name] / base, tenths[name], nbytes,
                      name))
-    if DERIVED in runs:
-        builder = runs[DERIVED][1]
-        print(f"# batch {batch}: {builder.derived_steps} of the derive_on_device builder's "
-              f"{len(times[DERIVED]) + warmup} steps were derived on the device")
+    for name in launches:
+        builder = runs[name][1]
+        print(f"# batch {batch}: {builder.derived_steps} of the {name.removesuffix(' step + view')}"
+              f" builder's {len(times[name]) + warmup} steps were derived on the device")
     return rows, mismatch, count
 
 
@@ -261,7 +267,11 @@ def builders(dev: torch.device, max_blocks: int) -> list:
             derive_on_device=False)))
         out.append((DERIVED, lambda: PersistentMetadata(
             [group()], max_blocks=max_blocks, batch_buckets=BUCKETS, device=dev,
-            derive_on_device=True)))
+            derive_on_device=True, derive_graphs=False)))
+        if dev.type == "cuda" and "derive_graphs" in PersistentMetadata.__init__.__code__.co_varnames:
+            out.append((GRAPHS, lambda: PersistentMetadata(
+                [group()], max_blocks=max_blocks, batch_buckets=BUCKETS, device=dev,
+                derive_on_device=True, derive_graphs=True)))
     return out
 
 
@@ -296,7 +306,7 @@ def alone(batch: int, steps: int, dev: torch.device, g: Group, att: AttentionGro
         builder = make()
         decode.load(builder)
         launches: list[int] = []
-        if name == DERIVED:
+        if name in DERIVED_ROWS:
             timed_derive(builder, launches)
         parts: list[tuple[int, int]] = []  # (appends, step + view less the derive call)
 
@@ -325,7 +335,7 @@ def alone(batch: int, steps: int, dev: torch.device, g: Group, att: AttentionGro
         step = statistics.median(p[1] for p in parts) / 1e3
         print(f"# alone, batch {batch}, {name} (appends included): median {per:.1f} us "
               f"over {steps} back-to-back steps; appends {appends:.1f}, step + view "
-              f"{step:.1f}" + (" less the derive call" if name == DERIVED else ""))
+              f"{step:.1f}" + (" less the derive call" if name in DERIVED_ROWS else ""))
         prof = cProfile.Profile()
         for _ in range(steps):
             one(prof)

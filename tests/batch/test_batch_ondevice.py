@@ -30,11 +30,12 @@ GARBAGE = 0xAB
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 
-def derived_builder(run: Run, device, kernel: str, emulate: bool) -> PersistentMetadata:
+def derived_builder(run: Run, device, kernel: str, emulate: bool,
+                    graphs: bool = False) -> PersistentMetadata:
     """The run's only builder: device derivation on, device buffers full of garbage."""
     pm = PersistentMetadata(run.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
                             token_buckets=TOKEN_BUCKETS, device=device, rows=2,
-                            derive_on_device=True, derive_kernel=kernel)
+                            derive_on_device=True, derive_kernel=kernel, derive_graphs=graphs)
     if emulate:  # the CUDA buffer path on the CPU: two host buffers, separate device ones
         pm._buffers = StepBuffers(pm.device, pm.nbytes, emulate_device=True)
         pm._delta = DeltaBuffers(pm.device, BATCH_BUCKETS[-1], len(run.groups), emulate=True,
@@ -49,12 +50,15 @@ def kernels(device) -> list[str]:
     return ["triton"] if torch.device(device).type == "cuda" else ["numpy", "triton"]
 
 
-@pytest.fixture(params=["numpy", "triton", "numpy-emulated", "triton-emulated"])
+@pytest.fixture(params=["numpy", "triton", "numpy-emulated", "triton-emulated", "triton-graphs"])
 def setup(request, device):
-    kernel, _, emulated = request.param.partition("-")
-    if torch.device(device).type == "cuda" and (kernel != "triton" or emulated):
+    kernel, _, mode = request.param.partition("-")
+    cuda = torch.device(device).type == "cuda"
+    if cuda and (kernel != "triton" or mode == "emulated"):
         pytest.skip("a CUDA device runs the real kernel on the real buffers")
-    return kernel, bool(emulated)
+    if mode == "graphs" and not cuda:
+        pytest.skip("the copy and the launch replayed from CUDA graphs: CUDA only")
+    return kernel, mode
 
 
 def steady_run(run: Run, pm: PersistentMetadata, steps: int, device, *, rare: float,
@@ -101,9 +105,9 @@ def steady_run(run: Run, pm: PersistentMetadata, steps: int, device, *, rare: fl
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(0, 2**32 - 1))
 def test_derived_steps_equal_build_metadata(device, setup, seed):
-    kernel, emulated = setup
+    kernel, mode = setup
     run = Run(seed, device)
-    pm = derived_builder(run, device, kernel, emulated)
+    pm = derived_builder(run, device, kernel, mode == "emulated", mode == "graphs")
     for _ in range(run.rng.randint(1, 9)):
         run.admit()
     steps = 24 if kernel == "numpy" else 12  # (the interpreter: ~20 ms a launch)
@@ -120,13 +124,17 @@ def test_derived_steps_equal_build_metadata(device, setup, seed):
     assert full >= 1 and pm.derived_steps > before, (full, before, pm.derived_steps)
 
 
-def test_steady_decode_runs_derive_and_other_steps_fall_back(device):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_steady_decode_runs_derive_and_other_steps_fall_back(device, graphs):
     """Which steps are derived, deterministically: the first step and every step after a
     change a steady step cannot express take the full path; every other one is derived, and
-    each makes one copy of the delta's bytes."""
+    each makes one copy of the delta's bytes (with graphs: replayed with the kernel)."""
+    if graphs and torch.device(device).type != "cuda":
+        pytest.skip("the copy and the launch replayed from CUDA graphs: CUDA only")
     kernel = kernels(device)[-1]
     run = Run(5, device)
-    pm = derived_builder(run, device, kernel, emulate=torch.device(device).type == "cpu")
+    pm = derived_builder(run, device, kernel, emulate=torch.device(device).type == "cpu",
+                         graphs=graphs)
     for _ in range(6):
         run.admit()
     derived = []
@@ -164,6 +172,8 @@ def test_steady_decode_runs_derive_and_other_steps_fall_back(device):
     step()
     step()
     assert derived == [0, 1, 1, 0, 1, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1]
+    if graphs:  # one graph per host buffer of each shape the derived steps used
+        assert 2 <= len(pm._delta._graphs) <= 4, len(pm._delta._graphs)
 
 
 def test_derive_kernel_choice_is_checked(monkeypatch):
@@ -172,6 +182,9 @@ def test_derive_kernel_choice_is_checked(monkeypatch):
         with pytest.raises(InvalidArgumentError, match=f"derive kernel '{kernel or 'numpy'}' on a {device}"):
             PersistentMetadata(run.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
                                device=device, derive_on_device=True, derive_kernel=kernel)
+    with pytest.raises(InvalidArgumentError, match="derive graphs .* a cpu device"):
+        PersistentMetadata(run.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,
+                           device="cpu", derive_on_device=True, derive_graphs=True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(InvalidArgumentError, match="TRITON_INTERPRET=1"):
         PersistentMetadata(run.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,

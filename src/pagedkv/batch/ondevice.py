@@ -94,13 +94,20 @@ class DeltaBuffers:
 
     ``emulate``: on a CPU device, lay out the CUDA path (two host buffers in turn, a
     separate "device" buffer, one copy a step), for tests. ``kernel``: "triton" or "numpy"
-    (default: triton on CUDA, numpy on a CPU device)."""
+    (default: triton on CUDA, numpy on a CPU device). ``graphs`` (CUDA, triton): each
+    (host buffer, step shape) gets its copy and launch captured in a CUDA graph once, then
+    replayed: one host call instead of a ``copy_`` and a launch."""
 
     def __init__(self, device: torch.device, batch: int, groups: int, *, emulate: bool = False,
-                 kernel: str | None = None) -> None:
+                 kernel: str | None = None, graphs: bool = False) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         kernel = kernel or ("triton" if self.cuda else "numpy")
+        if graphs and (not self.cuda or kernel != "triton" or emulate):
+            raise InvalidArgumentError(
+                f"derive graphs replay the delta's copy and the Triton kernel from a CUDA "
+                f"graph: they need a CUDA device and the triton kernel, got a {device.type} "
+                f"device, kernel {kernel!r}{' (emulated)' if emulate else ''}")
         if device.type not in ("cpu", "cuda") or kernel not in ("triton", "numpy") or (
                 self.cuda and kernel != "triton"):
             raise InvalidArgumentError(
@@ -136,6 +143,10 @@ class DeltaBuffers:
         self._pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._stream: tuple[int, torch.cuda.Stream] | None = None
         self._launch: dict[tuple, object] = {}
+        # graphs: per (host buffer, ints, launch) the copy + launch captured once, replayed
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] | None = {} if graphs else None
+        self._ints = 0
+        self._side: torch.cuda.Stream | None = None
 
     def host(self, shape: object, n: int, head) -> tuple[np.ndarray, int]:
         """This step's int32 staging (waits, if ever, for the copy made from it before)
@@ -155,21 +166,32 @@ class DeltaBuffers:
             self.heads[turn] = (shape, n, first.shape[0])
         return raw, self.heads[turn][2]  # type: ignore[index]
 
+    def _pair(self, turn: int, ints: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = self._pairs.get((turn, ints))
+        if pair is None:
+            pair = self._pairs[(turn, ints)] = (self.dev[: 4 * ints], self.hosts[turn][: 4 * ints])
+        return pair
+
     def send(self, ints: int) -> None:
-        """Copy the first ``ints`` int32 of this step's staging to the device (one copy)."""
+        """Copy the first ``ints`` int32 of this step's staging to the device (one copy).
+        With graphs the copy is left to :meth:`derive`, which replays it with the kernel."""
+        self.copy_bytes = 4 * ints
+        if self._graphs is not None:
+            self._ints = ints
+            return
         turn = self.turn
         if self.dev is not self.hosts[0]:
-            pair = self._pairs.get((turn, ints))
-            if pair is None:
-                pair = self._pairs[(turn, ints)] = (self.dev[: 4 * ints],
-                                                    self.hosts[turn][: 4 * ints])
-            pair[0].copy_(pair[1], non_blocking=True)
-            self.copies += 1
-            if self.cuda:
-                self.events[turn].record(self._current_stream())
-                self.pending[turn] = True
-            self.turn = turn ^ 1
-        self.copy_bytes = 4 * ints
+            dst, src = self._pair(turn, ints)
+            dst.copy_(src, non_blocking=True)
+            self._sent(turn)
+
+    def _sent(self, turn: int) -> None:
+        """The copy from host buffer ``turn`` is queued: guard the buffer, use the other next."""
+        self.copies += 1
+        if self.cuda:
+            self.events[turn].record(self._current_stream())
+            self.pending[turn] = True
+        self.turn = turn ^ 1
 
     def derive(self, device_buffer: torch.Tensor, batch: int, groups: int) -> None:
         """Run the derivation on ``device_buffer`` (the step buffer, uint8) for a step
@@ -182,7 +204,35 @@ class DeltaBuffers:
         if launch is None:
             launch = self._launch[(device_buffer.data_ptr(), batch)] = _Launch(
                 self.dev32, device_buffer, batch, groups)
-        launch()
+        if self._graphs is None:
+            launch()
+            return
+        turn, ints = self.turn, self._ints
+        key = (turn, ints, launch)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()  # the delta's copy, then the kernel: one host call
+        else:  # eagerly this time (the first launch compiles and loads), then captured
+            dst, src = self._pair(turn, ints)
+            dst.copy_(src, non_blocking=True)
+            launch()
+            self._graphs[key] = self._capture(dst, src, launch)
+        self._sent(turn)
+
+    def _capture(self, dst: torch.Tensor, src: torch.Tensor, launch) -> torch.cuda.CUDAGraph:
+        """The copy of ``src`` (pinned host staging) into ``dst`` and the launch, captured
+        on a side stream (capture cannot use the default stream) without running them."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                dst.copy_(src, non_blocking=True)
+                launch()
+            finally:
+                graph.capture_end()
+        return graph
 
     def _current_stream(self) -> torch.cuda.Stream:
         index = self.index

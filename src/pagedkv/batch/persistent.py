@@ -53,6 +53,7 @@ class PersistentMetadata(MetadataBuilder):
         checked: bool | None = None,
         derive_on_device: bool | None = None,
         derive_kernel: str | None = None,
+        derive_graphs: bool = False,
     ) -> None:
         buckets = list(batch_buckets)
         tokens = list(token_buckets) if token_buckets is not None else buckets
@@ -74,7 +75,8 @@ class PersistentMetadata(MetadataBuilder):
         if derive_on_device is None:
             derive_on_device = self.device.type == "cuda"
         self._delta = DeltaBuffers(self.device, self.batch_buckets[-1], len(self.groups),
-                                   kernel=derive_kernel) if derive_on_device else None
+                                   kernel=derive_kernel, graphs=derive_graphs
+                                   ) if derive_on_device else None
         self._descriptors: dict[object, np.ndarray] = {}
         self._geometry = [(g.block_size, g.position_offset) for g in self.groups]
         self._starts: dict[int, tuple] = {}
