@@ -439,10 +439,11 @@ class KVCacheManager:
     def _grow_all(self, todo: list[tuple[int, RequestState, int]], n: int,
                   lookahead: int) -> int:
         """:meth:`_grow` for each (index, request, end) of a step, in order, with one group:
-        when the pool's plain free blocks and the budget surely hold them all, one pool
-        call hands out the blocks each would take in turn (the lowest plain ids, or the
-        free stack's top). Else one by one, as ``allocate_batch`` would: the index of the
-        first that gets no slots (nothing changed for it or those after), or -1."""
+        when the pool surely holds them all -- its plain free blocks and the budget, or,
+        with no plain block left, its LRU of cached ones -- one pool call hands out the
+        blocks each would take in turn (the lowest plain ids, the free stack's top, or the
+        LRU's oldest). Else one by one, as ``allocate_batch`` would: the index of the first
+        that gets no slots (nothing changed for it or those after), or -1."""
         m = self.managers[0]
         pool = m.pool
         ledger = self.ledger
@@ -455,8 +456,10 @@ class KVCacheManager:
         else:
             if self.sync_steps and ledger.launched > ledger.finished:
                 ledger.step_finished(ledger.launched)
-            fits = (total <= pool.num_plain_free()  # type: ignore[attr-defined]
-                    and total * pool.worst_bytes <= ledger.free_bytes())  # type: ignore[attr-defined]
+            plain = pool.num_plain_free()
+            fits = ((total <= plain and total * pool.worst_bytes  # type: ignore[attr-defined]
+                     <= ledger.free_bytes())
+                    or (not plain and total <= len(pool.evictable)))  # reused: no new bytes
         if not fits or min(need) <= 0:
             for j, req, end in todo:
                 if not self._grow(req, end) and not self._allocate_slow(req, n, lookahead):
