@@ -439,11 +439,12 @@ class KVCacheManager:
     def _grow_all(self, todo: list[tuple[int, RequestState, int]], n: int,
                   lookahead: int) -> int:
         """:meth:`_grow` for each (index, request, end) of a step, in order, with one group:
-        when the pool surely holds them all -- its plain free blocks and the budget, or,
-        with no plain block left, its LRU of cached ones -- one pool call hands out the
-        blocks each would take in turn (the lowest plain ids, the free stack's top, or the
-        LRU's oldest). Else one by one, as ``allocate_batch`` would: the index of the first
-        that gets no slots (nothing changed for it or those after), or -1."""
+        when the pool surely holds them all -- its plain free blocks and the budget (the
+        pages they would newly map), or, with no plain block left, its LRU of cached ones
+        -- one pool call hands out the blocks each would take in turn (the lowest plain
+        ids, the free stack's top, or the LRU's oldest). Else one by one, as
+        ``allocate_batch`` would: the index of the first that gets no slots (nothing
+        changed for it or those after), or -1."""
         m = self.managers[0]
         pool = m.pool
         ledger = self.ledger
@@ -457,9 +458,12 @@ class KVCacheManager:
             if self.sync_steps and ledger.launched > ledger.finished:
                 ledger.step_finished(ledger.launched)
             plain = pool.num_plain_free()
-            fits = ((total <= plain and total * pool.worst_bytes  # type: ignore[attr-defined]
-                     <= ledger.free_bytes())
-                    or (not plain and total <= len(pool.evictable)))  # reused: no new bytes
+            if total <= plain:  # the lowest plain ids: the worst case, else their pages counted
+                free = ledger.free_bytes()
+                fits = (total * pool.worst_bytes <= free  # type: ignore[attr-defined]
+                        or pool.cost_of(total) <= free)  # type: ignore[attr-defined]
+            else:  # no plain block left: the LRU's oldest, on mapped pages (no new bytes)
+                fits = not plain and total <= len(pool.evictable)
         if not fits or min(need) <= 0:
             for j, req, end in todo:
                 if not self._grow(req, end) and not self._allocate_slow(req, n, lookahead):
