@@ -139,3 +139,34 @@ def test_a_failing_commit_batch_still_commits_the_earlier_boundaries():
     assert m.num_computed("a") == 4
     assert m.requests["a"].ncached[0] == 1  # its full block was cached before the error
     assert m.metrics().groups[0].blocks_cached == 2  # and "b"'s prompt block
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+def test_allocate_batch_with_a_request_listed_twice_or_an_unknown_one_acts_as_one_by_one(budget):
+    """Growing requests are served together (one pool call) at the end of the batch or
+    before a request that needs the general path: a request listed twice still grows
+    once, and an unknown id raises after the requests before it got their slots, as
+    per-request calls do."""
+    def fresh():
+        m = _manager(4, 0, budget, FAST_HASH, False, checked=True)
+        for rid in ("a", "b", "c"):
+            m.add_request(rid, [1, 2, 3] if rid != "b" else [5, 6, 7])
+            m.find_cached_prefix(rid)
+            assert m.allocate(rid, 3)
+            m.commit(rid, 3, [4])  # 4 tokens, 3 computed: the next token fills block 0
+            assert m.allocate(rid, 1)
+            m.commit(rid, 1, [9])  # the next one opens block 1
+        return m
+
+    one, batch = fresh(), fresh()
+    for rid in ("a", "b", "a", "c"):
+        assert one.allocate(rid, 1)
+    assert batch.allocate_batch(["a", "b", "a", "c"]) == 4
+    assert [batch.block_tables(r) for r in "abc"] == [one.block_tables(r) for r in "abc"]
+    assert batch.blocks_used() == one.blocks_used()
+
+    one, batch = fresh(), fresh()
+    assert one.allocate("a", 1) and one.allocate("b", 1)
+    with pytest.raises(InvalidArgumentError, match="unknown request 'zz'"):
+        batch.allocate_batch(["a", "b", "zz", "c"])
+    assert [batch.block_tables(r) for r in "abc"] == [one.block_tables(r) for r in "abc"]

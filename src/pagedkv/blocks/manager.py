@@ -413,6 +413,10 @@ class KVCacheManager:
             try:
                 req = reqs[rid]  # a subscript: cheaper than dict.get on every request
             except KeyError:
+                if todo:  # the requests before it get their slots first, as one by one
+                    short = self._grow_all(todo, num_new_tokens, num_lookahead)
+                    if short >= 0:
+                        return short
                 req = self._req(rid)  # raises, naming it
             end = req.num_computed + k
             if end > req.fast_limit:
@@ -464,7 +468,8 @@ class KVCacheManager:
                         or pool.cost_of(total) <= free)  # type: ignore[attr-defined]
             else:  # no plain block left: the LRU's oldest, on mapped pages (no new bytes)
                 fits = not plain and total <= len(pool.evictable)
-        if not fits or min(need) <= 0:
+        if not fits or min(need) <= 0 or len({id(req) for _, req, _ in todo}) < len(todo):
+            # (a request listed twice grows once, by its first entry: one by one then)
             for j, req, end in todo:
                 if not self._grow(req, end) and not self._allocate_slow(req, n, lookahead):
                     return j
