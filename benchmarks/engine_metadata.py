@@ -94,12 +94,23 @@ def check(meta, reqs, groups) -> None:
                 raise SystemExit(f"persistent metadata differs from build_metadata: {name}")
 
 
-def breakdown(sched, runner, steps: int) -> dict:
+def baseline_call(runner, base, chunks, extra):
+    """``step_metadata`` through the baseline's TableSync (the runner's own put back)."""
+    runner.sync, own = base, runner.sync
+    try:
+        return runner.step_metadata(chunks, extra)
+    finally:
+        runner.sync = own
+
+
+def breakdown(sched, runner, steps: int, base=None) -> dict:
     """The persistent build alone, ``steps`` decode steps back to back (warm): medians of
     the whole build, the builder's ``step`` and its ``append_each`` calls (the rest is
-    TableSync's per-request checks)."""
+    TableSync's per-request checks). With ``base``, its build on the same steps too (the
+    order alternating): its median and the median of persistent / baseline per step."""
     builder = runner.sync.builder
     parts = {"build": [], "builder.step": [], "append_each": []}
+    other = []
     step, append_each = builder.step, builder.append_each
 
     def timed(name, fn):
@@ -116,13 +127,26 @@ def breakdown(sched, runner, steps: int) -> dict:
             plan = sched.schedule()
             for v in parts.values():
                 v.append(0.0)
+            extra = [0] * len(plan.chunks)
+            if base is not None and len(other) % 2:
+                t0 = time.perf_counter()
+                baseline_call(runner, base, plan.chunks, extra)
+                other.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            runner.step_metadata(plan.chunks, [0] * len(plan.chunks))
+            runner.step_metadata(plan.chunks, extra)
             parts["build"][-1] = time.perf_counter() - t0
+            if base is not None and len(other) < len(parts["build"]):
+                t0 = time.perf_counter()
+                baseline_call(runner, base, plan.chunks, extra)
+                other.append(time.perf_counter() - t0)
             sched.update(plan, {c.request.rid: [1] for c in plan.chunks if c.samples})
     finally:
         del builder.step, builder.append_each
-    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+    out = {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+    if other:
+        out["baseline"] = statistics.median(other) * 1e6
+        out["pair"] = statistics.median(p / b for p, b in zip(parts["build"], other))
+    return out
 
 
 def load_baseline(path: str):
@@ -179,11 +203,7 @@ def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: boo
             for path in order:
                 t0 = time.perf_counter()
                 if path == "baseline":  # the same call, through the baseline's TableSync
-                    runner.sync, own = base, runner.sync
-                    try:
-                        meta, _ = runner.step_metadata(plan.chunks, extra)
-                    finally:
-                        runner.sync = own
+                    meta, _ = baseline_call(runner, base, plan.chunks, extra)
                 else:
                     meta, _ = runner.step_metadata(plan.chunks, extra,
                                                    stateless=path == "stateless")
@@ -201,7 +221,7 @@ def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: boo
         sampled = {c.request.rid: [1] for c in plan.chunks if c.samples}
         sched.update(plan, sampled)
     builder = runner.sync.builder
-    parts = breakdown(sched, runner, steps) if split else None
+    parts = breakdown(sched, runner, steps, base) if split else None
     return {"times": times, "parts": parts, "derived": builder.derived_steps,
             "width": builder.max_blocks, "added": runner.sync.added,
             "rewritten": runner.sync.rewritten}
@@ -261,6 +281,10 @@ def main(argv=None) -> int:
         print(f"\nbatch {batch}, persistent alone ({args.steps} steps, warm, medians): build "
               f"{parts['build']:.0f} us = builder.step {parts['builder.step']:.0f} + "
               f"append_each {parts['append_each']:.0f} + TableSync checks ~{rest:.0f}")
+        if "pair" in parts:
+            print(f"baseline alone, the same steps (the order alternating): build "
+                  f"{parts['baseline']:.0f} us; persistent / baseline per step: median "
+                  f"{parts['pair']:.3f}")
     print(f"\n{len(t['stateless'])} timed decode steps per batch after {args.warmup} untimed; "
           f"persistent output equal to build_metadata on every 10th step"
           + (" (and the baseline's to it)" if baseline is not None else ""))
