@@ -216,14 +216,13 @@ class TableSync:
             # more, and nothing to keep for comparing (a lookahead block is)
             if ids and (int(d.min()) < 0 or bool((now > (computed + bs) // bs).any())):
                 return None
-            rows = np.flatnonzero(d).tolist()
-            grown.append((rows, tables, now))
+            rows = np.flatnonzero(d)
+            # each grown row's new block: the entry at its old length
+            grown.append((rows.tolist(), lens[rows].tolist(), tables, now))
         single = {}
         touched = None
-        for j, ((rows, tables, now), (_, _, lens)) in enumerate(zip(grown, per_group)):
+        for j, ((rows, ends, tables, now), (_, _, lens)) in enumerate(zip(grown, per_group)):
             if rows:
-                # each grown row's new block: the entry at its old length
-                ends = lens[rows].tolist()
                 single[j] = (list(map(ids.__getitem__, rows)),
                              list(map(getitem, map(tables.__getitem__, rows), ends)))
                 for r in rows:
