@@ -304,8 +304,9 @@ def test_table_sync_steady_steps_see_every_change_too(name):
     """The same requests in the same order take a batch-wide check (no per-request
     Python); each change it must not wave through, on such a step: a lookahead block
     past the blocks a commit keeps (its entry must be kept for comparing), that block
-    given back and another put in its place, a new list, a window's move, and a row
-    that got shorter without a kept entry (outside the manager's contract; still seen).
+    given back and another put in its place, a new list, a window's move, a row that
+    got shorter without a kept entry (outside the manager's contract; still seen), and a
+    lone request replaced under its id.
     The window's move only on the window group (see the test above)."""
     sync, states, step, need, free = stand_in(tiny_model(name))
     window = name.startswith("gemma")
@@ -352,6 +353,16 @@ def test_table_sync_steady_steps_see_every_change_too(name):
     step(("a", 15, 1, 0), ("b", 15, 1, 0))
     assert sync.rewritten == 4 + window
     assert (sync.added, sync.removed) == (2, 0)
+    need("a", 17)
+    step(("a", 16, 1, 0))  # b left: a alone
+    need("a", 18)
+    step(("a", 17, 1, 0))  # a alone, steady
+    assert (sync.added, sync.removed, sync.rewritten) == (2, 1, 4 + window)
+    # a replaced under its id (finished and added again) by a state as far along, its
+    # table as long: only the state object tells
+    states["a"] = _State([[free.pop() for _ in ta]])
+    step(("a", 17, 1, 0))
+    assert (sync.added, sync.removed) == (3, 2)
 
 
 # (Triton's interpreter converts a one-element array to a scalar in its own code)
