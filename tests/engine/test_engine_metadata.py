@@ -299,6 +299,20 @@ def test_table_sync_sees_every_kind_of_table_change(name):
     assert (sync.added, sync.removed) == (5, 3)
 
 
+def test_table_sync_refuses_draft_counts_not_one_per_chunk(llama):
+    from types import SimpleNamespace
+
+    from pagedkv.engine.scheduler import Chunk
+
+    sync, states, _, need, _ = stand_in(llama)
+    states["a"], states["b"] = _State([[]]), _State([[]])
+    need("a", 2), need("b", 2)
+    chunks = [Chunk(SimpleNamespace(rid=r), 0, 2, True) for r in "ab"]
+    with pytest.raises(InvalidArgumentError, match="1 draft counts for 2 chunks"):
+        sync.build(chunks, [0])
+    assert len(sync.builder) == 0  # refused before anything was sent
+
+
 @pytest.mark.parametrize("name", WINDOWED)
 def test_table_sync_steady_steps_see_every_change_too(name):
     """The same requests in the same order take a batch-wide check (no per-request
