@@ -29,13 +29,25 @@ medians; then the machine, versions and UTC time.
 ``--breakdown``: afterwards, as many persistent steps alone, back to back: the medians of
 the build, of the builder's ``step`` and of ``append_each`` (the rest: TableSync's checks).
 
+``--baseline FILE``: a third path on the same steps, interleaved with the other two (the
+order rotating): the ``TableSync`` of another ``engine/stepmeta.py`` (e.g. an older
+commit's, from ``git archive``; the rest of pagedkv is this tree's), with its own builder
+over the same manager, called as the persistent path is (``step_metadata``, the runner's
+``sync`` swapped for the call: timing one path through the runner and the other not
+differed by up to ~20% on a shared machine); its output is compared with the persistent one's on every 10th
+step. Reported: its median, 10th percentile and ratio to stateless, and the median over
+steps of persistent / baseline (each step's pair), which a machine slowing down between
+steps moves least.
+
 Usage: python benchmarks/engine_metadata.py [--batches 64,256] [--steps N] [--warmup N]
-       [--max-model-len N] [--breakdown] [--derive-on-device]
+       [--max-model-len N] [--breakdown] [--derive-on-device] [--baseline FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import os
 import platform
 import random
@@ -82,12 +94,23 @@ def check(meta, reqs, groups) -> None:
                 raise SystemExit(f"persistent metadata differs from build_metadata: {name}")
 
 
-def breakdown(sched, runner, steps: int) -> dict:
+def baseline_call(runner, base, chunks, extra):
+    """``step_metadata`` through the baseline's TableSync (the runner's own put back)."""
+    runner.sync, own = base, runner.sync
+    try:
+        return runner.step_metadata(chunks, extra)
+    finally:
+        runner.sync = own
+
+
+def breakdown(sched, runner, steps: int, base=None) -> dict:
     """The persistent build alone, ``steps`` decode steps back to back (warm): medians of
     the whole build, the builder's ``step`` and its ``append_each`` calls (the rest is
-    TableSync's per-request checks)."""
+    TableSync's per-request checks). With ``base``, its build on the same steps too (the
+    order alternating): its median and the median of persistent / baseline per step."""
     builder = runner.sync.builder
     parts = {"build": [], "builder.step": [], "append_each": []}
+    other = []
     step, append_each = builder.step, builder.append_each
 
     def timed(name, fn):
@@ -104,17 +127,48 @@ def breakdown(sched, runner, steps: int) -> dict:
             plan = sched.schedule()
             for v in parts.values():
                 v.append(0.0)
+            extra = [0] * len(plan.chunks)
+            if base is not None and len(other) % 2:
+                t0 = time.perf_counter()
+                baseline_call(runner, base, plan.chunks, extra)
+                other.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            runner.step_metadata(plan.chunks, [0] * len(plan.chunks))
+            runner.step_metadata(plan.chunks, extra)
             parts["build"][-1] = time.perf_counter() - t0
+            if base is not None and len(other) < len(parts["build"]):
+                t0 = time.perf_counter()
+                baseline_call(runner, base, plan.chunks, extra)
+                other.append(time.perf_counter() - t0)
             sched.update(plan, {c.request.rid: [1] for c in plan.chunks if c.samples})
     finally:
         del builder.step, builder.append_each
-    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+    out = {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+    if other:
+        out["baseline"] = statistics.median(other) * 1e6
+        out["pair"] = statistics.median(p / b for p, b in zip(parts["build"], other))
+    return out
+
+
+def load_baseline(path: str):
+    """The ``TableSync`` class of another ``engine/stepmeta.py``."""
+    spec = importlib.util.spec_from_file_location("baseline_stepmeta", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TableSync
+
+
+def same(a, b) -> None:
+    """Two builders' metadata of one step, equal array by array."""
+    for gid, got in a.items():
+        for name in ARRAYS:
+            if not torch.equal(getattr(got, name), getattr(b[gid], name)):
+                raise SystemExit(f"baseline metadata differs from the persistent one: {name}")
 
 
 def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: bool,
-        split: bool = False) -> dict:
+        split: bool = False, baseline=None) -> dict:
     engine = make_engine(hf, batch, max_model_len, derive)
     rng = random.Random(batch)
     vocab = engine.vocab_size
@@ -124,6 +178,17 @@ def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: boo
                            SamplingParams(max_new_tokens=max_model_len - n, ignore_eos=True))
     sched, runner = engine.scheduler, engine.runner
     times = {"stateless": [], "persistent": []}
+    base = None
+    if baseline is not None:  # the runner's arguments (make_engine's options)
+        base = baseline(runner.attn_groups, runner.mgr, runner.gids, device=runner.device,
+                        max_batch=min(batch, 8192), max_tokens=8192,
+                        max_model_len=max_model_len, derive_on_device=derive)
+        if base.builder.max_blocks != runner.sync.builder.max_blocks:
+            raise SystemExit("the baseline's block tables are not as wide as the runner's")
+        times["baseline"] = []
+    # every order in turn (each path as often before as after each other one); two
+    # paths: persistent first on even steps
+    orders = list(itertools.permutations(times))[::-1]
     decode_steps = 0
     while decode_steps < steps + warmup:
         plan = sched.schedule()
@@ -133,20 +198,30 @@ def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: boo
         decode = len(plan.chunks) == batch and all(c.num_new_tokens == 1 for c in plan.chunks)
         if decode:
             extra = [0] * len(plan.chunks)
-            order = ("stateless", "persistent") if decode_steps % 2 else ("persistent", "stateless")
+            order = orders[decode_steps % len(orders)]
+            out = {}
             for path in order:
                 t0 = time.perf_counter()
-                meta, _ = runner.step_metadata(plan.chunks, extra, stateless=path == "stateless")
+                if path == "baseline":  # the same call, through the baseline's TableSync
+                    meta, _ = baseline_call(runner, base, plan.chunks, extra)
+                else:
+                    meta, _ = runner.step_metadata(plan.chunks, extra,
+                                                   stateless=path == "stateless")
                 dt = time.perf_counter() - t0
                 if decode_steps >= warmup:
                     times[path].append(dt * 1e6)
-                if path == "persistent" and decode_steps % 10 == 0:
-                    check(meta, [runner.scheduled(c) for c in plan.chunks], runner.attn_groups)
+                if decode_steps % 10 == 0:
+                    out[path] = meta
+            if "persistent" in out:
+                check(out["persistent"], [runner.scheduled(c) for c in plan.chunks],
+                      runner.attn_groups)
+                if base is not None:
+                    same(out["baseline"], out["persistent"])
             decode_steps += 1
         sampled = {c.request.rid: [1] for c in plan.chunks if c.samples}
         sched.update(plan, sampled)
     builder = runner.sync.builder
-    parts = breakdown(sched, runner, steps) if split else None
+    parts = breakdown(sched, runner, steps, base) if split else None
     return {"times": times, "parts": parts, "derived": builder.derived_steps,
             "width": builder.max_blocks, "added": runner.sync.added,
             "rewritten": runner.sync.rewritten}
@@ -162,6 +237,9 @@ def main(argv=None) -> int:
                              "decode too), rounded up to 16")
     parser.add_argument("--breakdown", action="store_true",
                         help="then as many persistent steps alone, warm: where the time goes")
+    parser.add_argument("--baseline", metavar="FILE",
+                        help="another engine/stepmeta.py whose TableSync runs on the same "
+                             "steps too (see the module doc)")
     parser.add_argument("--derive-on-device", action="store_true",
                         help="the persistent builder derives steady decode steps 'on the "
                              "device' (on CPU: its numpy reference, on the host)")
@@ -173,12 +251,14 @@ def main(argv=None) -> int:
     hf = tiny_model("llama-3-8b")
     start = datetime.now(timezone.utc)
     breakdowns = []
+    baselines = []
+    baseline = load_baseline(args.baseline) if args.baseline else None
     print("| batch | stateless us (p10) | persistent us (p10) | ratio | derived steps | "
           "table width |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batches.split(",")):
         r = run(hf, batch, args.steps, args.warmup, args.max_model_len, args.derive_on_device,
-                args.breakdown)
+                args.breakdown, baseline)
         if r["parts"]:
             breakdowns.append((batch, r["parts"]))
         t = r["times"]
@@ -188,14 +268,26 @@ def main(argv=None) -> int:
               f"{med['persistent']:.0f} ({p10['persistent']:.0f}) | "
               f"{med['persistent'] / med['stateless']:.3f} | {r['derived']} | {r['width']} |",
               flush=True)
+        if baseline is not None:
+            pair = statistics.median(p / b for p, b in zip(t["persistent"], t["baseline"]))
+            baselines.append((batch, med["baseline"], p10["baseline"],
+                              med["baseline"] / med["stateless"], pair))
     end = datetime.now(timezone.utc)
+    for batch, m, p, ratio, pair in baselines:
+        print(f"\nbatch {batch}, baseline {args.baseline}: {m:.0f} us ({p:.0f}), "
+              f"ratio {ratio:.3f}; persistent / baseline per step: median {pair:.3f}")
     for batch, parts in breakdowns:
         rest = parts["build"] - parts["builder.step"] - parts["append_each"]
         print(f"\nbatch {batch}, persistent alone ({args.steps} steps, warm, medians): build "
               f"{parts['build']:.0f} us = builder.step {parts['builder.step']:.0f} + "
               f"append_each {parts['append_each']:.0f} + TableSync checks ~{rest:.0f}")
+        if "pair" in parts:
+            print(f"baseline alone, the same steps (the order alternating): build "
+                  f"{parts['baseline']:.0f} us; persistent / baseline per step: median "
+                  f"{parts['pair']:.3f}")
     print(f"\n{len(t['stateless'])} timed decode steps per batch after {args.warmup} untimed; "
-          f"persistent output equal to build_metadata on every 10th step")
+          f"persistent output equal to build_metadata on every 10th step"
+          + (" (and the baseline's to it)" if baseline is not None else ""))
     print(f"machine: {os.cpu_count()} cores, {len(os.sched_getaffinity(0))} usable "
           f"({cpu_name()}), load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; Python "

@@ -210,8 +210,9 @@ class _State:
         self.first_live = [0] * len(tables)
 
 
-def stand_in(llama):
-    """A TableSync over a tiny Llama's attention group fed from stand-in request states;
+def stand_in(hf):
+    """A TableSync over a tiny model's first attention group (a Llama's full one, Gemma 3's
+    sliding-window one) fed from stand-in request states;
     returns (sync, states, step, need, free): ``step(*(rid, computed, new, drafts))``
     builds a step and compares it with build_metadata, ``need(rid, end)`` allocates blocks
     for positions [0, end) from a shuffled pool ``free``."""
@@ -222,8 +223,8 @@ def stand_in(llama):
     from pagedkv.engine.scheduler import Chunk
     from pagedkv.engine.stepmeta import TableSync
 
-    groups = Engine(llama, options()).runner.attn_groups
-    g = groups[0]
+    g = Engine(hf, options()).runner.attn_groups[0]
+    groups = [g]
     free = list(range(1, g.num_blocks))
     random.Random(0).shuffle(free)
     states = {}
@@ -243,11 +244,18 @@ def stand_in(llama):
     return sync, states, step, need, free
 
 
-def test_table_sync_sees_every_kind_of_table_change(llama):
+WINDOWED = ["llama-3-8b", "gemma-3-27b"]  # a full group; a sliding-window group
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_table_sync_sees_every_kind_of_table_change(name):
     """Each way the block manager changes a table, made by hand on stand-in request
     states with blocks from a shuffled pool: every step equals build_metadata of the
-    tables as they are (a change missed leaves a stale entry, and the step differs)."""
-    sync, states, step, need, free = stand_in(llama)
+    tables as they are (a change missed leaves a stale entry, and the step differs). The
+    window's move only on the window group: a full group has no null block to put in a
+    dropped one's place, so TableSync does not look for one there."""
+    sync, states, step, need, free = stand_in(tiny_model(name))
+    window = name.startswith("gemma")
     bs = sync.groups[0][2]
     states["a"], states["b"] = _State([[]]), _State([[]])
     need("a", 6), need("b", 3)
@@ -267,15 +275,16 @@ def test_table_sync_sees_every_kind_of_table_change(llama):
     need("a", 9), need("b", 6)
     step(("a", 8, 1, 0), ("b", 5, 1, 0))
     assert sync.added == 3
-    states["a"].tables[0][0] = free.pop()  # a window dropping a block (null stand-in)
-    states["a"].first_live[0] = 1
+    if window:
+        states["a"].tables[0][0] = free.pop()  # a window dropping a block (null stand-in)
+        states["a"].first_live[0] = 1
     need("a", 10), need("b", 7)
     step(("a", 9, 1, 0), ("b", 6, 1, 0))
-    assert sync.rewritten == 3
+    assert sync.rewritten == 2 + window
     states["b"].tables[0] = [free.pop() for _ in states["b"].tables[0]]  # a new list (a hit)
     need("a", 11), need("b", 8)
     step(("b", 7, 1, 0), ("a", 10, 1, 0))  # reordered too
-    assert sync.rewritten == 4
+    assert sync.rewritten == 3 + window
     del states["a"]  # a finished: only b this step; a's row is gone
     need("b", 9)
     step(("b", 8, 1, 0))
@@ -290,13 +299,31 @@ def test_table_sync_sees_every_kind_of_table_change(llama):
     assert (sync.added, sync.removed) == (5, 3)
 
 
-def test_table_sync_steady_steps_see_every_change_too(llama):
+def test_table_sync_refuses_draft_counts_not_one_per_chunk(llama):
+    from types import SimpleNamespace
+
+    from pagedkv.engine.scheduler import Chunk
+
+    sync, states, _, need, _ = stand_in(llama)
+    states["a"], states["b"] = _State([[]]), _State([[]])
+    need("a", 2), need("b", 2)
+    chunks = [Chunk(SimpleNamespace(rid=r), 0, 2, True) for r in "ab"]
+    with pytest.raises(InvalidArgumentError, match="1 draft counts for 2 chunks"):
+        sync.build(chunks, [0])
+    assert len(sync.builder) == 0  # refused before anything was sent
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_table_sync_steady_steps_see_every_change_too(name):
     """The same requests in the same order take a batch-wide check (no per-request
     Python); each change it must not wave through, on such a step: a lookahead block
     past the blocks a commit keeps (its entry must be kept for comparing), that block
-    given back and another put in its place, a new list, a window's move, and a row
-    that got shorter without a kept entry (outside the manager's contract; still seen)."""
-    sync, states, step, need, free = stand_in(llama)
+    given back and another put in its place, a new list, a window's move, a row that
+    got shorter without a kept entry (outside the manager's contract; still seen), and a
+    lone request replaced under its id.
+    The window's move only on the window group (see the test above)."""
+    sync, states, step, need, free = stand_in(tiny_model(name))
+    window = name.startswith("gemma")
     states["a"], states["b"] = _State([[]]), _State([[]])
     need("a", 6), need("b", 3)
     step(("a", 0, 6, 0), ("b", 0, 3, 0))
@@ -328,17 +355,28 @@ def test_table_sync_steady_steps_see_every_change_too(llama):
     assert sync.rewritten == 3
     need("a", 16), need("b", 13)
     step(("a", 15, 1, 0), ("b", 12, 1, 0))
-    ta[0] = free.pop()  # a window dropping a block (null stand-in)
-    states["a"].first_live[0] = 1
+    if window:
+        ta[0] = free.pop()  # a window dropping a block (null stand-in)
+        states["a"].first_live[0] = 1
     need("a", 17), need("b", 14)
     step(("a", 16, 1, 0), ("b", 13, 1, 0))
-    assert sync.rewritten == 4
+    assert sync.rewritten == 3 + window
     need("a", 18), need("b", 15)
     step(("a", 17, 1, 0), ("b", 14, 1, 0))
     del ta[-1]  # a's last block gone, nothing kept to compare it with
     step(("a", 15, 1, 0), ("b", 15, 1, 0))
-    assert sync.rewritten == 5
+    assert sync.rewritten == 4 + window
     assert (sync.added, sync.removed) == (2, 0)
+    need("a", 17)
+    step(("a", 16, 1, 0))  # b left: a alone
+    need("a", 18)
+    step(("a", 17, 1, 0))  # a alone, steady
+    assert (sync.added, sync.removed, sync.rewritten) == (2, 1, 4 + window)
+    # a replaced under its id (finished and added again) by a state as far along, its
+    # table as long: only the state object tells
+    states["a"] = _State([[free.pop() for _ in ta]])
+    step(("a", 17, 1, 0))
+    assert (sync.added, sync.removed) == (3, 2)
 
 
 # (Triton's interpreter converts a one-element array to a scalar in its own code)

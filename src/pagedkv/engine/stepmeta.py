@@ -27,15 +27,18 @@ default, the arrays derived on the device). Such a step is also checked batch-wi
 the requests and their order are the last step's and no request keeps entries to compare,
 a few C-level passes over the batch (each group's list objects, window starts, lengths
 no shorter and none past ``ceil((computed + 1) / block_size)``) replace the per-request
-checks; anything else there sends the step through them. Instead of ``build_metadata``'s
-copy of every block list, a step costs a few operations per request.
+checks; anything else there sends the step through them. Window starts are read only for
+groups with a null block (a window's): no other group drops blocks, so its ``first_live``
+stays 0. The counts go to the builder as int64 arrays (which it takes without a copy),
+and no draft counts when there are none. Instead of ``build_metadata``'s copy of every
+block list, a step costs a few operations per request.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, getitem, is_, itemgetter
 
 import numpy as np
 import torch
@@ -44,6 +47,7 @@ from pagedkv.batch import StepMetadata
 from pagedkv.batch.persistent import PersistentMetadata
 from pagedkv.blocks import KVCacheManager
 from pagedkv.engine.scheduler import Chunk
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.types import Group
 
 
@@ -75,8 +79,8 @@ class _Sent:
 _lists, _lens, _lives, _tails_any = (attrgetter(a) for a in (
     "lists", "lens", "lives", "tails_any"))
 _tables, _first_live = attrgetter("tables"), attrgetter("first_live")
-_request, _rid, _computed, _new = (attrgetter(a) for a in (
-    "request", "rid", "num_computed", "num_new_tokens"))
+_rid, _computed, _new = (attrgetter(a) for a in (
+    "request.rid", "num_computed", "num_new_tokens"))
 
 
 class TableSync:
@@ -104,6 +108,9 @@ class TableSync:
         # per attention group: (group id, index in the manager's tables, block size)
         self.groups = [(g.id, list(gids).index(g.id), g.block_size) for g in groups]
         self._index = [(i, bs) for _, i, bs in self.groups]
+        # per group: whether its window start can move. Only a group with a null block to
+        # put where a dropped one was (a window) moves it; others keep first_live 0
+        self._moves = [g.retention.null_blocks > 0 for g in groups]
         self.sent: dict[object, _Sent] = {}
         self._last_ids: tuple = ()
         self._aligned = None  # the last step's records in batch order (see _steady)
@@ -112,23 +119,29 @@ class TableSync:
     def build(self, chunks: Sequence[Chunk], extra: Sequence[int]) -> StepMetadata:
         """The step's metadata (valid until the next :meth:`build`); ``extra[i]``: draft
         rows riding on chunk i."""
-        ids = tuple(map(_rid, map(_request, chunks)))
+        ids = tuple(map(_rid, chunks))
+        n = len(ids)
+        if len(extra) != n:
+            raise InvalidArgumentError(f"{len(extra)} draft counts for {n} chunks")
         aligned = self._aligned if ids == self._last_ids else None
         if ids != self._last_ids:
             for rid in self.sent.keys() - set(ids):
                 self.drop(rid)
             self._last_ids = ids
-        computed = list(map(_computed, chunks))
-        new = list(map(_new, chunks))
+        # the counts as int64 arrays, which the builder takes without a copy
+        computed = np.fromiter(map(_computed, chunks), np.int64, n)
+        new = np.fromiter(map(_new, chunks), np.int64, n)
+        drafts = None  # none: the builder's own zeros, no array to check
         if any(extra):
-            new = [n + k for n, k in zip(new, extra)]
+            drafts = np.fromiter(extra, np.int64, n)
+            new += drafts
         states = self.mgr.requests
         single = self._steady(ids, computed, states, aligned) if aligned is not None else None
         if single is None:
-            single = self._each(ids, computed, states)
+            single = self._each(ids, computed.tolist(), states)
         for j, (rids, blocks) in single.items():
             self.builder.append_each(rids, {self.groups[j][0]: blocks})
-        return self.builder.step(ids, computed, new, extra)
+        return self.builder.step(ids, computed, new, drafts)
 
     def _each(self, ids, computed, states) -> dict[int, tuple[list, list]]:
         """Every request's changes, one request at a time; what :meth:`_steady` needs for
@@ -180,41 +193,44 @@ class TableSync:
             at = itemgetter(j)
             per_group.append((list(map(at, map(_lists, recs))), list(map(at, map(_lives, recs))),
                               np.fromiter(map(at, map(_lens, recs)), np.int64, len(recs))))
-        return recs, per_group
+        # the batch's request states in one C call (itemgetter of one key gives no tuple)
+        get = itemgetter(*ids) if len(ids) > 1 else (lambda states: tuple(map(states.__getitem__, ids)))
+        return recs, per_group, get
 
     def _steady(self, ids, computed, states, aligned):
         """The same requests as the last step, each group's table at most one block longer
         and nothing else changed, checked in a few C-level passes over the batch; None,
         with nothing changed, when that is not so (the per-request path then runs)."""
-        recs, per_group = aligned
-        objs_now = list(map(states.__getitem__, ids))  # (a replaced request has new lists)
-        n = len(ids)
-        done = np.fromiter(computed, np.int64, n)
+        recs, per_group, get = aligned
+        objs_now = get(states)  # (a replaced request has new lists)
         grown = []
-        for (i, bs), (lists, lives, lens) in zip(self._index, per_group):
+        for (i, bs), moves, (lists, lives, lens) in zip(self._index, self._moves, per_group):
             at = itemgetter(i)
             tables = list(map(at, map(_tables, objs_now)))
-            if (not all(map(is_, tables, lists))
-                    or list(map(at, map(_first_live, objs_now))) != lives):
+            if not all(map(is_, tables, lists)) or (
+                    moves and list(map(at, map(_first_live, objs_now))) != lives):
                 return None
-            now = np.fromiter(map(len, tables), np.int64, n)
+            now = np.fromiter(map(len, tables), np.int64, len(tables))
             d = now - lens
             # a row no shorter, and none past ceil((done + 1) / bs): so at most one block
             # more, and nothing to keep for comparing (a lookahead block is)
-            if n and (int(d.min()) < 0 or bool((now > (done + bs) // bs).any())):
+            if ids and (int(d.min()) < 0 or bool((now > (computed + bs) // bs).any())):
                 return None
-            rows = np.flatnonzero(d).tolist()
-            grown.append((rows, [tables[r][int(lens[r])] for r in rows], now))
+            rows = np.flatnonzero(d)
+            # each grown row's new block: the entry at its old length
+            grown.append((rows.tolist(), lens[rows].tolist(), tables, now))
         single = {}
-        touched = set()
-        for j, ((rows, blocks, now), (_, _, lens)) in enumerate(zip(grown, per_group)):
+        touched = None
+        for j, ((rows, ends, tables, now), (_, _, lens)) in enumerate(zip(grown, per_group)):
             if rows:
-                single[j] = ([ids[r] for r in rows], blocks)
+                single[j] = (list(map(ids.__getitem__, rows)),
+                             list(map(getitem, map(tables.__getitem__, rows), ends)))
                 for r in rows:
                     recs[r].lens[j] += 1
-                touched.update(rows)
+                touched = rows if touched is None else sorted({*touched, *rows})
             lens[:] = now
-        self.appended += len(touched)
+        if touched:
+            self.appended += len(touched)
         return single
 
     def drop(self, rid) -> None:
