@@ -41,6 +41,7 @@ steps moves least.
 
 Usage: python benchmarks/engine_metadata.py [--batches 64,256] [--steps N] [--warmup N]
        [--max-model-len N] [--breakdown] [--derive-on-device] [--baseline FILE]
+       [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -72,20 +73,22 @@ ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positio
           "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
 
-def make_engine(hf, batch: int, max_model_len: int, derive: bool) -> Engine:
+def make_engine(hf, batch: int, max_model_len: int, derive: bool | None,
+                device: str = "cpu") -> Engine:
     """Room for every request at max_model_len (fp32: the planner counts 16-bit KV, so an
     fp32 engine plans half of what it is given)."""
     per_token = sum(bytes_per_token(s.layout) for s in layers_from_config(hf.config.to_dict()))
     need = 2 * per_token * (batch * max_model_len + 8192) * 5 // 4
     return Engine(hf, EngineOptions(
-        device="cpu", block_size=16, max_model_len=max_model_len, max_batched_tokens=8192,
+        device=device, block_size=16, max_model_len=max_model_len, max_batched_tokens=8192,
         max_running=batch, kv_cache_bytes=need, enable_prefix_caching=False,
         derive_on_device=derive))
 
 
 def check(meta, reqs, groups) -> None:
     first = next(iter(meta.values()))
-    want = build_metadata(reqs, groups, pad_batch_to=first.block_table.shape[0],
+    want = build_metadata(reqs, groups, device=first.block_table.device,
+                          pad_batch_to=first.block_table.shape[0],
                           pad_tokens_to=first.slot_mapping.shape[0],
                           max_blocks=first.block_table.shape[1])
     for gid, got in meta.items():
@@ -167,9 +170,9 @@ def same(a, b) -> None:
                 raise SystemExit(f"baseline metadata differs from the persistent one: {name}")
 
 
-def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: bool,
-        split: bool = False, baseline=None) -> dict:
-    engine = make_engine(hf, batch, max_model_len, derive)
+def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: bool | None,
+        split: bool = False, baseline=None, device: str = "cpu") -> dict:
+    engine = make_engine(hf, batch, max_model_len, derive, device)
     rng = random.Random(batch)
     vocab = engine.vocab_size
     for _ in range(batch):
@@ -242,8 +245,14 @@ def main(argv=None) -> int:
                              "steps too (see the module doc)")
     parser.add_argument("--derive-on-device", action="store_true",
                         help="the persistent builder derives steady decode steps 'on the "
-                             "device' (on CPU: its numpy reference, on the host)")
+                             "device' (on CPU: its numpy reference, on the host; on CUDA "
+                             "the default, with its copy and launch replayed from graphs)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="the engine's device (the model never runs)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("pagedkv: error: --device cuda needs a CUDA device", file=sys.stderr)
+        return 2
     if args.max_model_len is None:
         more = args.steps if args.breakdown else 0
         args.max_model_len = -(-(1280 + args.warmup + args.steps + more + 64) // 16) * 16
@@ -257,8 +266,8 @@ def main(argv=None) -> int:
           "table width |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batches.split(",")):
-        r = run(hf, batch, args.steps, args.warmup, args.max_model_len, args.derive_on_device,
-                args.breakdown, baseline)
+        r = run(hf, batch, args.steps, args.warmup, args.max_model_len,
+                args.derive_on_device or None, args.breakdown, baseline, args.device)
         if r["parts"]:
             breakdowns.append((batch, r["parts"]))
         t = r["times"]
@@ -289,7 +298,9 @@ def main(argv=None) -> int:
           f"persistent output equal to build_metadata on every 10th step"
           + (" (and the baseline's to it)" if baseline is not None else ""))
     print(f"machine: {os.cpu_count()} cores, {len(os.sched_getaffinity(0))} usable "
-          f"({cpu_name()}), load average "
+          f"({cpu_name()}), device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+          + ", load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; Python "
           f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
     print(f"UTC {start:%Y-%m-%d %H:%M:%S} - {end:%H:%M:%S}; "
