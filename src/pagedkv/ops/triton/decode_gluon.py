@@ -1,0 +1,306 @@
+"""Paged GQA decode over fp8 (e4m3/e5m2, per-tensor scaled) caches in Gluon for Hopper (sm_90).
+
+Why: the ``tl.dot`` decode kernel widens each fp8 K/V tile to fp16 in registers for the
+MMA; that widening (F2FP, byte permutes, 250+ registers) stalls it at 1.2x the bf16 kernel
+(docs/kernels.md). Here the layouts are explicit and the widening runs once per tile,
+shared memory to shared memory, outside any MMA's operand path:
+
+- 64-key tiles arrive by TMA, one 16-row box per page (page 16: four boxes per tile) from
+  the cache seen as [slots, kv_heads * dim], into a ring of ``STAGES`` slots guarded by
+  mbarriers. The block ids of the next tile are loaded at the top of an iteration, the
+  copy that refills a slot is issued as soon as the slot is widened.
+- The warpgroup widens the K and V tile (exact) into fp16 NVMMA buffers, zeroing the values
+  of keys past the split's end or behind a bad block id (NaN-filled slots would survive a
+  zero probability).
+- Keys on the MMA's M side (one warpgroup): S^T [64 keys, BLOCK_M pairs] = K Q^T, then
+  O^T [DV, BLOCK_M] += V^T P^T, so the (query row, query head) pairs of one KV head (4 at
+  q_len 1, group 4) are padded to 16, not 64.
+- Every program writes its split of the (o, m, l) workspace; ``combine`` merges the splits
+  (and adds sinks, zeroes padding rows).
+
+Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, head dim 128
+for K and V, block sizes that are multiples of 16, heads packed in an entry, causal,
+non-causal and draft-block masks, sinks; no window/chunk/soft-cap, no row tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from pagedkv.ops.fp8 import is_fp8
+
+BLOCK_N, BOX, STAGES, DIM = 64, 16, 3, 128
+MAX_PAIRS = 64  # (query row, query head) pairs of one KV head per program (the MMA's N)
+
+
+@gluon.jit
+def _extents(row, q_len, seq_len, draft, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
+    """Key interval [0, hi) of each pair's query row (bottom-right aligned rows; rows past
+    q_len or before position 0 see nothing)."""
+    first = seq_len - q_len
+    pos = first + row
+    if CAUSAL:
+        hi = pos + 1
+    elif HAS_DRAFT:
+        hi = first + (row // draft) * draft + draft
+    else:
+        hi = gl.zeros_like(row) + seq_len
+    return gl.where((row < q_len) & (pos >= 0), gl.minimum(hi, seq_len), 0)
+
+
+@gluon.jit
+def _box_pages(table_row, n0, s_hi, pred, PAGE: gl.constexpr, NBOX: gl.constexpr,
+               p_l: gl.constexpr):
+    """Block ids of the tile's 16-key boxes [NBOX] (every thread holds all of them); boxes
+    past the split read no table entry."""
+    key = n0 + gl.arange(0, NBOX, layout=p_l) * 16
+    return gl.load(table_row + key // PAGE, mask=pred & (key < s_hi), other=0)
+
+
+@gluon.jit
+def _issue(kd, vd, k_ring, v_ring, bars, pages, n0, stage, col, num_blocks, pred,
+           PAGE: gl.constexpr, NBOX: gl.constexpr, p_l: gl.constexpr):
+    """TMA copies of the tile at key n0 (one box per 16 keys) into ring slot ``stage``;
+    bad block ids read page 0 (their keys are masked)."""
+    bar = bars.index(stage)
+    mbarrier.expect(bar, kd.block_type.nbytes * (2 * NBOX), pred=pred)
+    idx = gl.arange(0, NBOX, layout=p_l)
+    pages = gl.where((pages < 0) | (pages >= num_blocks), 0, pages)
+    for j in gl.static_range(NBOX):
+        page = gl.sum(gl.where(idx == j, pages, 0), 0)
+        row = page * PAGE + (n0 + j * 16) % PAGE
+        tma.async_copy_global_to_shared(kd, [row, col], bar,
+                                        k_ring.index(stage).slice(j * 16, 16, dim=0), pred=pred)
+        tma.async_copy_global_to_shared(vd, [row, col], bar,
+                                        v_ring.index(stage).slice(j * 16, 16, dim=0), pred=pred)
+
+
+@gluon.jit
+def _key_ok(table_row, keys, s_hi, num_blocks, PAGE: gl.constexpr):
+    """Keys of the tile that are in the split and behind a block id inside the cache."""
+    inside = keys < s_hi
+    page = gl.load(table_row + keys // PAGE, mask=inside, other=0)
+    return inside & (page >= 0) & (page < num_blocks), page
+
+
+@gluon.jit
+def _paged_decode_gluon(
+    q_ptr, kd, vd, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, scales_ptr, flag_ptr,
+    stride_qt, stride_qh, stride_tb, num_blocks, heads, scale, k_scale_f, v_scale_f, draft,
+    num_splits,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    HAS_DRAFT: gl.constexpr, SCALES_IN_MEMORY: gl.constexpr, CHECK: gl.constexpr,
+):
+    """Program (sequence, KV head, split): this split's keys for the sequence's pairs of
+    this KV head; writes split ``split`` of the workspace."""
+    gl.static_assert(gl.num_warps() == 4)
+    NBOX: gl.constexpr = BLOCK_N // 16
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    c_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 16-byte pieces
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    p_l: gl.constexpr = gl.BlockedLayout([NBOX], [32], [4], [0])
+    per_pair: gl.constexpr = gl.SliceLayout(0, t_l)
+    per_key: gl.constexpr = gl.SliceLayout(1, t_l)
+    c_key: gl.constexpr = gl.SliceLayout(1, c_l)
+    f8: gl.constexpr = kd.dtype
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16)
+
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    q_start = gl.load(qsl_ptr + b)
+    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    if q_len <= 0:
+        return
+    seq_len = gl.load(lens_ptr + b)
+
+    # queries of this KV head's pairs -> fp16 (clamped into its range) in shared memory
+    mq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+    q = gl.load(q_ptr + (q_start + mq // GROUP).to(gl.int64)[:, None] * stride_qt
+                + (kvh * GROUP + mq % GROUP)[:, None] * stride_qh + dq[None, :],
+                mask=(mq // GROUP < q_len)[:, None], other=0.0)
+    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    q_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, D], gl.float16), q)
+    k_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], kd.layout)
+    v_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], vd.layout)
+    k16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], w_layout)
+    v16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], w_layout)
+    pt_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                             gl.float16))
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_r = gl.arange(0, BLOCK_M, layout=per_pair)
+    hi = _extents(m_r // GROUP, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    kv_hi = gl.max(hi, 0)
+    per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = split * per
+    s_hi = gl.minimum(s_lo + per, kv_hi)
+    n_tiles = gl.maximum(gl.cdiv(s_hi - s_lo, BLOCK_N), 0)
+    table_row = table_ptr + b.to(gl.int64) * stride_tb
+    col = kvh * D
+    for i in gl.static_range(STAGES):
+        pages = _box_pages(table_row, s_lo + i * BLOCK_N, s_hi, n_tiles > i, PAGE, NBOX, p_l)
+        _issue(kd, vd, k_ring, v_ring, bars, pages, s_lo + i * BLOCK_N, i, col, num_blocks,
+               n_tiles > i, PAGE, NBOX, p_l)
+
+    if SCALES_IN_MEMORY:
+        k_scale = gl.load(scales_ptr)
+        v_scale = gl.load(scales_ptr + 1)
+    else:
+        k_scale = k_scale_f
+        v_scale = v_scale_f
+    qk_scale = scale * k_scale * 1.4426950408889634
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_pair)
+    # row sums kept per thread and reduced once at the end: only the maxima cross the warps
+    l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    acc = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
+    s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    kn = gl.arange(0, BLOCK_N, layout=per_key)
+    kc = gl.arange(0, BLOCK_N, layout=c_key)
+    for it in range(n_tiles):
+        stage = it % STAGES
+        n0 = s_lo + it * BLOCK_N
+        refill = it + STAGES < n_tiles
+        pages_next = _box_pages(table_row, n0 + STAGES * BLOCK_N, s_hi, refill, PAGE, NBOX, p_l)
+        ok_c, _ = _key_ok(table_row, n0 + kc, s_hi, num_blocks, PAGE)
+        ok, page = _key_ok(table_row, n0 + kn, s_hi, num_blocks, PAGE)
+        if CHECK:
+            bad = (n0 + kn < s_hi) & ((page < 0) | (page >= num_blocks))
+            gl.store(flag_ptr + kn * 0, gl.full([BLOCK_N], 1, gl.int32, layout=per_key),
+                     mask=bad)
+            gl.store(flag_ptr + 1 + kn * 0, page, mask=bad)
+        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+        # widen the slot's K and V to fp16 (exact); V of keys not read zeroed
+        kx = k_ring.index(stage).load(c_l)
+        k16.store(kx.to(gl.float16))
+        vx = v_ring.index(stage).load(c_l).to(gl.float16)
+        v16.store(gl.where(ok_c[:, None], vx, gl.zeros_like(vx)))
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's widening done: the slot may be refilled
+        _issue(kd, vd, k_ring, v_ring, bars, pages_next, n0 + STAGES * BLOCK_N, stage, col,
+               num_blocks, refill, PAGE, NBOX, p_l)
+        s = warpgroup_mma(k16, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
+        s = gl.where(seen, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[None, :])
+        alpha = gl.exp2(m_i - m_use)
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        pt_smem.store(p.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(v16.permute((1, 0)), pt_smem, acc * alpha[None, :], is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # every warp done with k16, v16 and P before the next widening
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    row = m_r // GROUP
+    base = ((q_start + row).to(gl.int64) * heads + kvh * GROUP + m_r % GROUP) * num_splits + split
+    rmask = row < q_len
+    gl.store(ws_m + base, m_i, mask=rmask)
+    gl.store(ws_l + base, gl.sum(l_acc, 0), mask=rmask)
+    co = gl.arange(0, D, layout=per_key)
+    gl.store(ws_o + base[None, :] * D + co[:, None], acc * v_scale, mask=rmask[None, :])
+
+
+def _gl_fp8(dtype: torch.dtype):
+    return gl.float8e4nv if dtype == torch.float8_e4m3fn else gl.float8e5
+
+
+def descriptor(cache: torch.Tensor):
+    """TMA descriptor over the cache seen as [slots, kv_heads * dim]: a [16, 128] box is 16
+    slots of one KV head (128-byte swizzle)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_blocks, block_size, kv_heads, dim = cache.shape
+    rows, width = num_blocks * block_size, kv_heads * dim
+    flat = cache.as_strided((rows, width), (cache.stride(1), 1))
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    return TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BOX, dim], layout)
+
+
+def supported(q, k_cache, v_cache, mask, soft_cap, max_query_len) -> str | None:
+    """Why the Gluon kernel cannot take this call (None: it can). Device checks last."""
+    if not (is_fp8(k_cache.dtype) and k_cache.dtype == v_cache.dtype):
+        return f"{k_cache.dtype}/{v_cache.dtype} caches (one fp8 format only)"
+    if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return f"a {k_cache.dtype} cache (e4m3fn/e5m2 only)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"{q.dtype} queries"
+    heads, dim = q.shape[1], q.shape[2]
+    num_blocks, block_size, kv_heads, kdim = k_cache.shape
+    if dim != DIM or kdim != DIM or v_cache.shape[-1] != DIM or v_cache.shape[:3] != k_cache.shape[:3]:
+        return f"head dims {dim}/{kdim}/{v_cache.shape[-1]} (128 only)"
+    if block_size % BOX or num_blocks == 0:
+        return f"block size {block_size} (multiples of 16)"
+    if max(1, max_query_len) * (heads // kv_heads) > MAX_PAIRS:
+        return f"{max_query_len} rows x {heads // kv_heads} heads per KV head (> {MAX_PAIRS})"
+    for c in (k_cache, v_cache):
+        if c.stride(3) != 1 or c.stride(2) != DIM or c.stride(1) % 16 or c.data_ptr() % 16 or (
+                c.stride(0) != block_size * c.stride(1)):
+            return "cache entries not head-packed and 16-byte aligned"
+    if mask.window is not None or mask.chunk is not None or soft_cap is not None:
+        return "sliding-window / chunked masks or a soft cap"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not a Hopper (sm_90) device"
+    return None
+
+
+def block_m(pairs: int) -> int:
+    """The MMA's N: the pairs of one KV head rounded up to a power of two, at least 16."""
+    return max(16, 1 << max(0, (pairs - 1).bit_length()))
+
+
+class _GluonLaunch:
+    """The kernel's launch with ``DecodePlan``'s kernel signature: TMA descriptors are made
+    per call (a plan serves every cache of its shape and strides)."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch) -> None:
+        self.launch = launch
+
+    def __call__(self, q, k_cache, v_cache, qsl, seq_lens, table, out, ws_o, ws_m, ws_l, scales,
+                 sinks, flag, counters) -> None:
+        del out, sinks, counters  # the combine writes the output and adds the sinks
+        self.launch(q, descriptor(k_cache), descriptor(v_cache), qsl, seq_lens, table, ws_o,
+                    ws_m, ws_l, scales, flag)
+
+
+def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query_len, splits, stages,
+              in_memory, check):
+    """(grid, scalars, constexprs) of one launch; the caller wraps them in a ``Launch``."""
+    rows, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    grid = (batch, kv_heads, splits)
+    scalars = (q.stride(0), q.stride(1), table.stride(0), num_blocks, heads, scale,
+               1.0 if in_memory else float(k_scale), 1.0 if in_memory else float(v_scale),
+               mask.draft_block or 0, splits)
+    consts = dict(GROUP=group, PAGE=block_size, D=dim, BLOCK_M=block_m(max(1, max_query_len) * group),
+                  BLOCK_N=BLOCK_N, STAGES=stages or STAGES, CAUSAL=mask.causal,
+                  HAS_DRAFT=mask.draft_block is not None, SCALES_IN_MEMORY=in_memory,
+                  CHECK=check, num_warps=4)
+    return grid, scalars, consts
