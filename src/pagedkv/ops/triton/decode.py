@@ -391,7 +391,9 @@ HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no g
 PAGE_TILES = True
 PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
 WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
-GLUON_FP8 = False  # the Gluon fp8 kernel (decode_gluon.py) where it applies, on Hopper
+# the Gluon fp8 kernel (decode_gluon.py) where it applies: 0.81x the Triton fp8 kernel's
+# speed at B64 ctx8K p16 on the H200 (0.90x with 2 ring slots; docs/kernels.md, 06:48 UTC)
+GLUON_FP8 = False
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
 ONE_SPLIT_FILL = 0.9  # one split once the unsplit programs fill this much of a wave (one_wave)
@@ -584,13 +586,14 @@ def _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
     (``decode_gluon.supported``)."""
     from pagedkv.ops.triton import decode_gluon
 
-    if decode_gluon.supported(q, k_cache, v_cache, mask, soft_cap, max_query_len) is not None:
+    in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
+    if decode_gluon.supported(q, k_cache, v_cache, mask, soft_cap, max_query_len, sinks,
+                              in_memory) is not None:
         return None
     rows, heads, _ = q.shape
     batch, kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if splits is None:
         splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
-    in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
     grid, scalars, consts = decode_gluon.plan_args(
         q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query_len, splits, stages,
         in_memory, flag is not None)
