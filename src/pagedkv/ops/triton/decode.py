@@ -391,8 +391,8 @@ HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no g
 PAGE_TILES = True
 PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
 WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
-# the Gluon fp8 kernel (decode_gluon.py) where it applies: 0.81x the Triton fp8 kernel's
-# speed at B64 ctx8K p16 on the H200 (0.90x with 2 ring slots; docs/kernels.md, 06:48 UTC)
+# the Gluon fp8 kernel (decode_gluon.py) where it applies: 0.90x the Triton fp8 kernel's
+# speed at B64 ctx8K p16 on the H200 with 2 ring slots (0.81x with 3; docs/kernels.md)
 GLUON_FP8 = False
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512

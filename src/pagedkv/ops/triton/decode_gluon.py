@@ -22,7 +22,7 @@ Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, hea
 for K and V, block size 16, heads packed in an entry, float scales, causal, non-causal and
 draft-block masks, up to 64 (row, head) pairs per KV head; no window/chunk/soft-cap/sinks.
 Default off (``decode.GLUON_FP8``): on the H200 it is slower than the Triton fp8 kernel
-(docs/kernels.md, 06:48 UTC run).
+(0.90x with 2 ring slots at B64 ctx8K p16; docs/kernels.md, 06:48 UTC run).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from pagedkv.ops.fp8 import is_fp8
 
-BLOCK_N, BOX, STAGES, DIM = 64, 16, 3, 128
+BLOCK_N, BOX, DIM = 64, 16, 128
+# ring slots: 2 (3 programs per SM) was 10% faster than 3 on the H200 (docs/kernels.md)
+STAGES = 2
 MAX_PAIRS = 64  # (query row, query head) pairs of one KV head per program (the MMA's N)
 
 
