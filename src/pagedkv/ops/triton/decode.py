@@ -520,7 +520,7 @@ def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
     if fp8 and (GLUON_FP8 if gluon is None else gluon) and not interpreting():
         plan = _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
                            mask, scale, soft_cap, sinks, k_scale, v_scale, max_query_len,
-                           max_seq_len, splits, num_stages)
+                           max_seq_len, splits, num_stages, block_n, maxnreg)
         if plan is not None:
             return plan
     pairs = max(1, max_query_len) * group  # (query row, query head) pairs per KV head
@@ -581,7 +581,7 @@ def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
 
 def _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, mask, scale,
                 soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, splits,
-                stages) -> DecodePlan | None:
+                stages, block_n=None, maxnreg=None) -> DecodePlan | None:
     """The Gluon fp8 kernel's plan (workspace + combine), or None where it does not apply
     (``decode_gluon.supported``)."""
     from pagedkv.ops.triton import decode_gluon
@@ -596,7 +596,7 @@ def _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
         splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
     grid, scalars, consts = decode_gluon.plan_args(
         q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query_len, splits, stages,
-        in_memory, flag is not None)
+        in_memory, flag is not None, block_n=block_n, maxnreg=maxnreg)
     kernel = decode_gluon._GluonLaunch(Launch(decode_gluon._paged_decode_gluon, grid, scalars,
                                               consts, direct=False))
     ws_shape = (rows, heads, splits, v_cache.shape[-1])
