@@ -212,6 +212,25 @@ def test_tensor_scales_sinks_and_large_pages_keep_the_triton_kernel():
 
 
 @hopper_only
+def test_unchecked_bad_block_ids_read_nothing_like_the_triton_kernel():
+    # the copy warp skips boxes behind bad ids (first tile, mid-sequence, past the cache):
+    # the slot keeps zeros / older finite values, the scores mask those keys
+    seqs = [(300, 1), (200, 1), (90, 1)]
+    (q, k8, v8, qsl, lens, table), _, _ = _fp8_case(seqs, 16, torch.float8_e4m3fn, 1.0, 1.0,
+                                                     seed=11)
+    table[0, 3] = -1
+    table[1, 0] = -1
+    table[2, 2] = k8.shape[0] + 3
+    kw = dict(k_scale=1.0, v_scale=1.0, max_query_len=1, max_seq_len=300)
+    for splits in (1, 2):
+        got = paged_attention(q, k8, v8, qsl, lens, table, gluon=True, splits=splits, **kw)
+        plain = paged_attention(q, k8, v8, qsl, lens, table, gluon=False, splits=splits, **kw)
+        assert not bool(got[:3].isnan().any())
+        err = float((got[:3].float() - plain[:3].float()).norm() / plain[:3].float().norm())
+        assert err < 1e-2, err
+
+
+@hopper_only
 def test_checked_call_reports_a_bad_block_id():
     seqs = [(100, 1), (40, 1)]
     (q, k8, v8, qsl, lens, table), keys, values = _fp8_case(

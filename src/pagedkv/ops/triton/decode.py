@@ -587,6 +587,8 @@ def _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
     from pagedkv.ops.triton import decode_gluon
 
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
+    if block_n not in (None, 64, 128):  # one or two m64 key tiles per warpgroup
+        return None
     if decode_gluon.supported(q, k_cache, v_cache, mask, soft_cap, max_query_len, sinks,
                               in_memory) is not None:
         return None

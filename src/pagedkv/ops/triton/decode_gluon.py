@@ -1,28 +1,28 @@
-"""Paged GQA decode over fp8 (e4m3/e5m2, per-tensor scaled) caches in Gluon for Hopper (sm_90).
+"""Paged GQA decode over fp8 (e4m3/e5m2, per-tensor scaled) caches in Gluon for Hopper (sm_90),
+with both products on the 8-bit tensor cores.
 
-Why: the ``tl.dot`` decode kernel widens each fp8 K/V tile to fp16 in registers for the
-MMA; that widening (F2FP, byte permutes, 250+ registers) stalls it at 1.2x the bf16 kernel
-(docs/kernels.md). Here the layouts are explicit and the widening runs once per tile,
-shared memory to shared memory, outside any MMA's operand path:
+Why: the ``tl.dot`` decode kernels widen fp8 K/V to fp16 before their MMAs (byte permutes,
+200+ registers, 2 programs per SM: 1.2x the bf16 kernel, docs/kernels.md); e4m3 scores
+alone left P x V 16-bit and gained nothing. 8-bit wgmma operands from shared memory must
+be K-major, which K is ([keys, dims], dims contiguous) and V is not, so V is transposed
+once per tile through registers:
 
-- 64-key tiles arrive by TMA, one 16-row box per page (page 16: four boxes per tile) from
-  the cache seen as [slots, kv_heads * dim], into a ring of ``STAGES`` slots guarded by
-  mbarriers. The block ids of the next tile are loaded at the top of an iteration, the
-  copy that refills a slot is issued as soon as the slot is widened.
-- The warpgroup widens the K and V tile (exact) into fp16 NVMMA buffers, zeroing the values
-  of keys past the split's end or behind a bad block id (NaN-filled slots would survive a
-  zero probability).
-- Keys on the MMA's M side (one warpgroup): S^T [64 keys, BLOCK_M pairs] = K Q^T, then
-  O^T [DV, BLOCK_M] += V^T P^T, so the (query row, query head) pairs of one KV head (4 at
-  q_len 1, group 4) are padded to 16, not 64.
+- A copy warp (``warp_specialize``) brings 64-key tiles by TMA, one 16-slot box of K and of
+  V per 16 keys from the cache seen as [slots, kv_heads * dim], into a ring of ``STAGES``
+  slots (ready / empty mbarriers); boxes behind bad block ids are not copied.
+- The compute warpgroup, keys on the MMA's M side so the 4-32 (query row, head) pairs of a
+  KV head are the MMA's N (8-32): S^T = K Q^T with the query split into two e4m3 tiles
+  (hi + lo, one scale per pair: bf16's 8 significant bits), V -> registers -> V^T in a
+  K-major buffer (while the score MMAs run), the online softmax, P x 256 split into e4m3
+  hi + lo, O^T += V^T P^T (two MMAs). Sums add the e4m3 values the MMA multiplies.
 - Every program writes its split of the (o, m, l) workspace; ``combine`` merges the splits
-  (and adds sinks, zeroes padding rows).
+  (and zeroes padding rows).
 
 Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, head dim 128
 for K and V, block size 16, heads packed in an entry, float scales, causal, non-causal and
-draft-block masks, up to 64 (row, head) pairs per KV head; no window/chunk/soft-cap/sinks.
-Default off (``decode.GLUON_FP8``): on the H200 it is slower than the Triton fp8 kernel
-(0.90x with 2 ring slots at B64 ctx8K p16; docs/kernels.md, 06:48 UTC run).
+draft-block masks, up to 32 (row, head) pairs per KV head; no window/chunk/soft-cap/sinks.
+Whether it is the default for those calls is ``decode.GLUON_FP8`` (docs/kernels.md has the
+H200 runs).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from pagedkv.ops.fp8 import is_fp8
 
 BLOCK_N, BOX, DIM = 64, 16, 128
-# ring slots: 2 (3 programs per SM) was 10% faster than 3 on the H200 (docs/kernels.md)
+# ring slots: 2 with 4 programs per SM beat 3 or 4 slots with fewer programs (H200, 11:01 UTC)
 STAGES = 2
 LOADER_REGS = gl.constexpr(40)  # the copy warp's register budget
 # probabilities as e4m3 hi + lo (two value MMAs): one e4m3 tile alone gives 1-2.5% relative
@@ -80,25 +80,31 @@ def _key_ok(table_row, keys, s_hi, num_blocks, PAGE: gl.constexpr):
 @gluon.jit
 def _loader(args, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warp: the TMA copies of tile t (one 16-slot box of K and of V per 16 keys) into
-    ring slot t % STAGES once the compute warpgroup has released it; bad block ids read
-    page 0 (their keys are masked)."""
+    ring slot t % STAGES once the compute warpgroup has released it. A box behind a bad
+    block id is not copied: the slot keeps finite older values (the ring starts zeroed),
+    whose keys the scores mask."""
     (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
      table_row, s_lo, s_hi, n_tiles, num_blocks, col) = args[:17]
+    NBOX: gl.constexpr = BLOCK_N // 16
+    b_l: gl.constexpr = gl.BlockedLayout([NBOX], [32], [1], [0])
+    box = gl.arange(0, NBOX, layout=b_l)
     for t in range(n_tiles):
         stage = t % STAGES
         n0 = s_lo + t * BLOCK_N
+        key = n0 + box * 16
+        pages = gl.load(table_row + key // PAGE, mask=key < s_hi, other=0)
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
-        mbarrier.expect(bar, kd.block_type.nbytes * (BLOCK_N // 8))
-        for j in gl.static_range(BLOCK_N // 16):
-            key = n0 + j * 16
-            page = gl.load(table_row + key // PAGE, mask=key < s_hi, other=0)
-            page = gl.where((page < 0) | (page >= num_blocks), 0, page)
-            row = page * PAGE + key % PAGE
+        for j in gl.static_range(NBOX):  # one arrival per box (the barrier counts NBOX)
+            page = gl.sum(gl.where(box == j, pages, 0), 0)
+            ok = (page >= 0) & (page < num_blocks)
+            mbarrier.expect(bar, kd.block_type.nbytes * 2, pred=ok)
+            mbarrier.arrive(bar, pred=not ok)
+            row = page * PAGE + (n0 + j * 16) % PAGE
             tma.async_copy_global_to_shared(kd, [row, col], bar,
-                                            k_ring.index(stage).slice(j * 16, 16, dim=0))
+                                            k_ring.index(stage).slice(j * 16, 16, dim=0), pred=ok)
             tma.async_copy_global_to_shared(vd, [row, col], bar,
-                                            v_ring.index(stage).slice(j * 16, 16, dim=0))
+                                            v_ring.index(stage).slice(j * 16, 16, dim=0), pred=ok)
 
 
 @gluon.jit
@@ -111,7 +117,7 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
      table_row, s_lo, s_hi, n_tiles, num_blocks, col, q_ptr, q_start, q_len, seq_len, kvh,
      stride_qt, stride_qh, draft, qk_scale, v_scale, flag_ptr, heads, num_splits, split,
-     ws_o, ws_m, ws_l) = args
+     ws_o, ws_m, ws_l, red) = args
     t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
     # V tile [keys, dims] -> registers (16 dims of 4 keys per thread) -> V^T in shared memory
@@ -150,8 +156,8 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     kv = gl.arange(0, BLOCK_N, layout=v_key)
     for it in range(n_tiles):
         stage = it % STAGES
+        buf = it % 2  # V^T and P double-buffered: no barrier between the value MMA and tile it + 1
         n0 = s_lo + it * BLOCK_N
-        ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
         ok, page = _key_ok(table_row, n0 + kn, s_hi, num_blocks, PAGE)
         if CHECK:
             bad = (n0 + kn < s_hi) & ((page < 0) | (page >= num_blocks))
@@ -162,17 +168,22 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         k_tile = k_ring.index(stage)
         s = warpgroup_mma(k_tile, qh_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(k_tile, ql_smem.permute((1, 0)), s, is_async=True)
-        # while the score MMAs run: V^T of the slot, keys not read zeroed (NaN-filled slots
-        # would survive a zero probability)
+        # while the score MMAs run: V^T of the slot. The split's last tile zeroes the values
+        # of keys past its end (NaN-filled slots would survive a zero probability); other
+        # keys hold cache values or finite older ones (skipped boxes)
         vx = v_ring.index(stage).load(v_l)
-        vx = gl.where(ok_v[:, None], vx, gl.zeros_like(vx))
-        vt_smem.store(gl.permute(vx, (1, 0)))
+        if n0 + BLOCK_N > s_hi:
+            vx = gl.where((n0 + kv < s_hi)[:, None], vx, gl.zeros_like(vx))
+        vt_smem.index(buf).store(gl.permute(vx, (1, 0)))
         s = warpgroup_mma_wait(0, deps=[s])
-        gl.thread_barrier()  # every warp's V read and the scores' K read: release the slot
-        mbarrier.arrive(empty.index(stage), count=1)
         seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
         s = gl.where(seen, s * pair_scale[None, :], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
+        # each warp's maximum over its 16 keys crosses the warps through the slot-release
+        # barrier (no reduction barriers of its own; read after it, rewritten after the next)
+        red.store(gl.max(gl.reshape(s, [4, BLOCK_N // 4, BLOCK_M]), 1))
+        gl.thread_barrier()  # every warp's V read and the scores' K read: release the slot
+        mbarrier.arrive(empty.index(stage), count=1)
+        m_new = gl.maximum(m_i, gl.max(red.load(t_l), 0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         # probabilities x 256 in e4m3 (normal down to 2^-14); the sums add what the MMA adds
         p = gl.exp2(s - m_use[None, :]) * 256.0
@@ -180,20 +191,21 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         m_i = m_new
         p8 = p.to(e4)
         pq = p8.to(gl.float32)
-        pt_smem.store(gl.permute(p8, (1, 0)))
+        pt_smem.index(buf).store(gl.permute(p8, (1, 0)))
         if P_SPLIT:
             p8l = (p - pq).to(e4)
             pq = pq + p8l.to(gl.float32)
-            pl_smem.store(gl.permute(p8l, (1, 0)))
+            pl_smem.index(buf).store(gl.permute(p8l, (1, 0)))
         l_acc = l_acc * alpha[None, :] + pq
         fence_async_shared()
         gl.thread_barrier()  # V^T and P stored by every warp
-        acc = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), acc * alpha[None, :],
-                            is_async=True)
+        acc = warpgroup_mma(vt_smem.index(buf), pt_smem.index(buf).permute((1, 0)),
+                            acc * alpha[None, :], is_async=True)
         if P_SPLIT:
-            acc = warpgroup_mma(vt_smem, pl_smem.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(vt_smem.index(buf), pl_smem.index(buf).permute((1, 0)), acc,
+                                is_async=True)
+        # (an accumulator left in flight across iterations makes ptxas serialize every wgmma)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
 
     row = m_r // GROUP
     base = ((q_start + row).to(gl.int64) * heads + kvh * GROUP + m_r % GROUP) * num_splits + split
@@ -239,13 +251,19 @@ def _paged_decode_gluon(
     ql_smem = gl.allocate_shared_memory(e4, [BLOCK_M, D], q_layout)
     k_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], kd.layout)
     v_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], vd.layout)
-    vt_smem = gl.allocate_shared_memory(f8, [D, BLOCK_N], vt_layout)
-    pt_smem = gl.allocate_shared_memory(e4, [BLOCK_M, BLOCK_N], pt_layout)
-    pl_smem = gl.allocate_shared_memory(e4, [BLOCK_M if P_SPLIT else 8, BLOCK_N], pt_layout)
+    vt_smem = gl.allocate_shared_memory(f8, [2, D, BLOCK_N], vt_layout)
+    pt_smem = gl.allocate_shared_memory(e4, [2, BLOCK_M, BLOCK_N], pt_layout)
+    pl_smem = gl.allocate_shared_memory(e4, [2, BLOCK_M if P_SPLIT else 8, BLOCK_N], pt_layout)
+    z_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
+    for i in gl.static_range(STAGES):  # finite values behind the boxes the copies skip
+        k_ring.index(i).store(gl.zeros([BLOCK_N, D], f8, layout=z_l))
+        v_ring.index(i).store(gl.zeros([BLOCK_N, D], f8, layout=z_l))
+    red = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M],
+                                    gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=BLOCK_N // 16)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
@@ -268,7 +286,7 @@ def _paged_decode_gluon(
             table_row, s_lo, s_hi, n_tiles, num_blocks, kvh * D, q_ptr, q_start, q_len,
             seq_len, kvh, stride_qt, stride_qh, draft,
             scale * k_scale * 1.4426950408889634, v_scale, flag_ptr, heads, num_splits, split,
-            ws_o, ws_m, ws_l)
+            ws_o, ws_m, ws_l, red)
     gl.warp_specialize([(_compute, (args, GROUP, PAGE, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                                     HAS_DRAFT, CHECK, P_SPLIT)),
                         (_loader, (args, PAGE, BLOCK_N, STAGES))],
@@ -356,10 +374,12 @@ def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query
     scalars = (q.stride(0), q.stride(1), table.stride(0), num_blocks, heads, scale,
                1.0 if in_memory else float(k_scale), 1.0 if in_memory else float(v_scale),
                mask.draft_block or 0, splits)
-    consts_m = block_m(max(1, max_query_len) * group)
-    consts = dict(GROUP=group, PAGE=block_size, D=dim, BLOCK_M=consts_m,
-                  BLOCK_N=block_n or BLOCK_N, STAGES=stages or STAGES, CAUSAL=mask.causal,
+    n, keys = block_m(max(1, max_query_len) * group), block_n or BLOCK_N
+    if maxnreg is None:  # (128-key tiles: 128 registers, 2 programs per SM by shared memory)
+        maxnreg = max(MAXNREG[n], 128 if keys > 64 else 0)
+    consts = dict(GROUP=group, PAGE=block_size, D=dim, BLOCK_M=n,
+                  BLOCK_N=keys, STAGES=stages or STAGES, CAUSAL=mask.causal,
                   HAS_DRAFT=mask.draft_block is not None, SCALES_IN_MEMORY=in_memory,
                   CHECK=check, P_SPLIT=P_SPLIT if p_split is None else p_split,
-                  num_warps=4, maxnreg=maxnreg or MAXNREG[consts_m])
+                  num_warps=4, maxnreg=maxnreg)
     return grid, scalars, consts
