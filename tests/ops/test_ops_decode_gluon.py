@@ -61,7 +61,7 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(args, n, kind):
     # one 16-slot box of K and one of V per 16 keys: 8 copies per tile (the copy warp)
     assert sum(c for k, c in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) == 8
     assert use["ptx"].get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0, use  # queries and P to e4m3
-    assert 0 < use["loop"] < (700 if n == 8 else 1000), use  # SASS of the key loop: 500 / 826
+    assert 0 < use["loop"] < (450 if n == 8 else 800), use  # SASS of the key loop: 356 / 689
 
 
 def _cpu_case(dtype=torch.float8_e4m3fn, block_size=16, dim=128, heads=32, kv_heads=8):

@@ -107,6 +107,49 @@ def _loader(args, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexp
                                             v_ring.index(stage).slice(j * 16, 16, dim=0), pred=ok)
 
 
+# 4 x 4 byte transpose: rows a, b, c, d (4 keys, 4 dims each) -> columns (4 keys of one dim)
+_T4 = gl.constexpr("""{
+.reg .b32 t0, t1, t2, t3;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $6, $7, 0x5140;
+prmt.b32 t2, $4, $5, 0x7362;
+prmt.b32 t3, $6, $7, 0x7362;
+prmt.b32 $0, t0, t1, 0x5410;
+prmt.b32 $1, t0, t1, 0x7632;
+prmt.b32 $2, t2, t3, 0x5410;
+prmt.b32 $3, t2, t3, 0x7632;
+}""")
+
+
+@gluon.jit
+def _store_vt(v_slot, vt_buf, n0, s_hi, MASK: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr):
+    """V^T of the slot into ``vt_buf`` (K-major for the value MMA), as 32-bit words: 8 keys
+    x 2 words per thread, 4 x 4 byte transposes in registers (8 PRMT per 16 bytes); with
+    ``MASK`` the words of keys past ``s_hi`` are zeroed."""
+    w_l: gl.constexpr = gl.BlockedLayout([8, 2], [2, 16], [4, 1], [1, 0])
+    W: gl.constexpr = D // 4
+    # (the same bytes: NVMMA swizzles move 16-byte pieces whatever the element type)
+    src = v_slot._reinterpret(gl.int32, [BLOCK_N, W], gl.NVMMASharedLayout(
+        v_slot.layout.swizzle_byte_width, 32, rank=2))
+    w = src.load(w_l)
+    if MASK:
+        key = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
+        w = gl.where((key < s_hi)[:, None], w, 0)
+    w = gl.permute(gl.reshape(w, [BLOCK_N // 4, 2, 2, W]), [0, 3, 1, 2])  # [g, c, i, j]
+    k02, k13 = gl.split(w)  # key 4g + 2i + j
+    k0, k2 = gl.split(k02)
+    k1, k3 = gl.split(k13)
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(
+        _T4, "=r,=r,=r,=r,r,r,r,r", [k0, k1, k2, k3], dtype=(gl.int32,) * 4, is_pure=True,
+        pack=1)
+    t = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [g, c, e, f]: dim 4c + 2f + e
+    t = gl.reshape(gl.permute(t, [1, 3, 2, 0]), [D, BLOCK_N // 4])
+    dst = vt_buf._reinterpret(gl.int32, [D, BLOCK_N // 4],
+                              gl.NVMMASharedLayout(vt_buf.layout.swizzle_byte_width, 32, rank=2))
+    dst.store(t)
+
+
 @gluon.jit
 def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -120,12 +163,9 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
      ws_o, ws_m, ws_l, red) = args
     t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
-    # V tile [keys, dims] -> registers (16 dims of 4 keys per thread) -> V^T in shared memory
-    v_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     per_pair: gl.constexpr = gl.SliceLayout(0, t_l)
     per_key: gl.constexpr = gl.SliceLayout(1, t_l)
-    v_key: gl.constexpr = gl.SliceLayout(1, v_l)
     e4: gl.constexpr = gl.float8e4nv
 
     # queries -> two e4m3 tiles with one scale per pair: y = q / sq (row maximum 448),
@@ -153,7 +193,6 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     acc = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
     s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
     kn = gl.arange(0, BLOCK_N, layout=per_key)
-    kv = gl.arange(0, BLOCK_N, layout=v_key)
     for it in range(n_tiles):
         stage = it % STAGES
         buf = it % 2  # V^T and P double-buffered: no barrier between the value MMA and tile it + 1
@@ -171,10 +210,10 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         # while the score MMAs run: V^T of the slot. The split's last tile zeroes the values
         # of keys past its end (NaN-filled slots would survive a zero probability); other
         # keys hold cache values or finite older ones (skipped boxes)
-        vx = v_ring.index(stage).load(v_l)
         if n0 + BLOCK_N > s_hi:
-            vx = gl.where((n0 + kv < s_hi)[:, None], vx, gl.zeros_like(vx))
-        vt_smem.index(buf).store(gl.permute(vx, (1, 0)))
+            _store_vt(v_ring.index(stage), vt_smem.index(buf), n0, s_hi, True, BLOCK_N, D)
+        else:
+            _store_vt(v_ring.index(stage), vt_smem.index(buf), n0, s_hi, False, BLOCK_N, D)
         s = warpgroup_mma_wait(0, deps=[s])
         seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
         s = gl.where(seen, s * pair_scale[None, :], float("-inf"))
