@@ -195,6 +195,21 @@ def test_matches_float64_reference(fmt, q_len, mask, splits):
 
 
 @hopper_only
+@pytest.mark.parametrize("opts", [dict(maxnreg=48), dict(num_stages=5, maxnreg=128),
+                                  dict(block_n=128, splits=2)])
+def test_launch_variants_match_float64_reference(opts):
+    # 5 programs per SM (single V^T / P buffers), a 5-slot ring, 128-key tiles
+    seqs = [(700, 1), (9, 1), (193, 1), (128, 1)]
+    (q, k8, v8, qsl, lens, table), keys, values = _fp8_case(
+        seqs, 16, torch.float8_e4m3fn, 2.0**-6, 2.0**-5, seed=len(str(opts)))
+    got = paged_attention(q, k8, v8, qsl, lens, table, gluon=True, k_scale=2.0**-6,
+                          v_scale=2.0**-5, max_query_len=1, max_seq_len=700, **opts)
+    want = _reference(q, qsl, seqs, keys, values, Mask(), 128**-0.5)
+    err = float((got[:4].cpu().double() - want[:4]).norm() / want[:4].norm())
+    assert err < 1e-2, err
+
+
+@hopper_only
 def test_tensor_scales_sinks_and_large_pages_keep_the_triton_kernel():
     # (the Gluon kernel gave NaN on this case in the 06:48 UTC H200 run: supported() now
     # refuses it; the call falls back to the Triton kernel and must match the reference)

@@ -154,7 +154,7 @@ def _store_vt(v_slot, vt_buf, n0, s_hi, MASK: gl.constexpr, BLOCK_N: gl.constexp
 def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, CHECK: gl.constexpr,
-             P_SPLIT: gl.constexpr):
+             P_SPLIT: gl.constexpr, BUFS: gl.constexpr):
     """The warpgroup: queries to e4m3, then per tile S^T = K Q^T (keys on the MMA's M),
     V^T in shared memory, the online softmax, O^T += V^T P^T; writes its workspace split."""
     (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
@@ -195,7 +195,7 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     kn = gl.arange(0, BLOCK_N, layout=per_key)
     for it in range(n_tiles):
         stage = it % STAGES
-        buf = it % 2  # V^T and P double-buffered: no barrier between the value MMA and tile it + 1
+        buf = it % BUFS  # V^T and P double-buffered: no barrier after the value MMA
         n0 = s_lo + it * BLOCK_N
         ok, page = _key_ok(table_row, n0 + kn, s_hi, num_blocks, PAGE)
         if CHECK:
@@ -245,6 +245,8 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
                                 is_async=True)
         # (an accumulator left in flight across iterations makes ptxas serialize every wgmma)
         acc = warpgroup_mma_wait(0, deps=[acc])
+        if BUFS == 1:
+            gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
 
     row = m_r // GROUP
     base = ((q_start + row).to(gl.int64) * heads + kvh * GROUP + m_r % GROUP) * num_splits + split
@@ -264,7 +266,7 @@ def _paged_decode_gluon(
     GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_DRAFT: gl.constexpr, SCALES_IN_MEMORY: gl.constexpr, CHECK: gl.constexpr,
-    P_SPLIT: gl.constexpr,
+    P_SPLIT: gl.constexpr, BUFS: gl.constexpr,
 ):
     """Program (sequence, KV head, split): this split's keys for the sequence's pairs of
     this KV head; writes split ``split`` of the workspace."""
@@ -290,9 +292,10 @@ def _paged_decode_gluon(
     ql_smem = gl.allocate_shared_memory(e4, [BLOCK_M, D], q_layout)
     k_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], kd.layout)
     v_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], vd.layout)
-    vt_smem = gl.allocate_shared_memory(f8, [2, D, BLOCK_N], vt_layout)
-    pt_smem = gl.allocate_shared_memory(e4, [2, BLOCK_M, BLOCK_N], pt_layout)
-    pl_smem = gl.allocate_shared_memory(e4, [2, BLOCK_M if P_SPLIT else 8, BLOCK_N], pt_layout)
+    vt_smem = gl.allocate_shared_memory(f8, [BUFS, D, BLOCK_N], vt_layout)
+    pt_smem = gl.allocate_shared_memory(e4, [BUFS, BLOCK_M, BLOCK_N], pt_layout)
+    pl_smem = gl.allocate_shared_memory(e4, [BUFS, BLOCK_M if P_SPLIT else 8, BLOCK_N],
+                                        pt_layout)
     z_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
     for i in gl.static_range(STAGES):  # finite values behind the boxes the copies skip
         k_ring.index(i).store(gl.zeros([BLOCK_N, D], f8, layout=z_l))
@@ -327,7 +330,7 @@ def _paged_decode_gluon(
             scale * k_scale * 1.4426950408889634, v_scale, flag_ptr, heads, num_splits, split,
             ws_o, ws_m, ws_l, red)
     gl.warp_specialize([(_compute, (args, GROUP, PAGE, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                                    HAS_DRAFT, CHECK, P_SPLIT)),
+                                    HAS_DRAFT, CHECK, P_SPLIT, BUFS)),
                         (_loader, (args, PAGE, BLOCK_N, STAGES))],
                        [1], [LOADER_REGS])
 
@@ -416,9 +419,12 @@ def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query
     n, keys = block_m(max(1, max_query_len) * group), block_n or BLOCK_N
     if maxnreg is None:  # (128-key tiles: 128 registers, 2 programs per SM by shared memory)
         maxnreg = max(MAXNREG[n], 128 if keys > 64 else 0)
+    # <= 48 registers (5 programs per SM, 72 for the compute warpgroup) go with single V^T
+    # and P buffers (44 KB of shared memory per program at 2 slots, 8 pairs) -- BUFS
     consts = dict(GROUP=group, PAGE=block_size, D=dim, BLOCK_M=n,
                   BLOCK_N=keys, STAGES=stages or STAGES, CAUSAL=mask.causal,
                   HAS_DRAFT=mask.draft_block is not None, SCALES_IN_MEMORY=in_memory,
                   CHECK=check, P_SPLIT=P_SPLIT if p_split is None else p_split,
+                  BUFS=1 if maxnreg <= 48 else 2,
                   num_warps=4, maxnreg=maxnreg)
     return grid, scalars, consts
