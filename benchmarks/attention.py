@@ -333,12 +333,10 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
     return ref
 
 
-# the Gluon fp8 kernel's sweep: splits, then programs per SM against ring depth (defaults:
-# 2 slots, 64 registers, 4 programs per SM; 3 slots at 80: 3; 5 slots at 128: 2; 48
-# registers with single V^T / P buffers: 5), 128-key tiles (2 programs per SM)
-GLUON_CONFIGS = [dict(gluon=True, splits=sp) for sp in (1, 4)] + [
-    dict(gluon=True, num_stages=3, maxnreg=80), dict(gluon=True, num_stages=5, maxnreg=128),
-    dict(gluon=True, maxnreg=48), dict(gluon=True, block_n=128)]
+# the Gluon fp8 kernel's sweep: splits, then ring depth against registers (programs per SM:
+# 2 stages x 64 registers: 4; 3 x 80: 3; 4 x 128: 2)
+GLUON_CONFIGS = [dict(gluon=True, splits=sp) for sp in (1, 2, 4)] + [
+    dict(gluon=True, splits=1, num_stages=st, maxnreg=r) for st, r in ((2, 80), (3, 80), (4, 128))]
 
 
 def fp8_gluon_case(batch, ctx, page=16, hq=32, hkv=8, dim=128) -> None:

@@ -31,14 +31,14 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def compile_kernel(fmt="e4m3", mask="causal", block_m=8, stages=decode_gluon.STAGES, page=16,
                    p_split=int(decode_gluon.P_SPLIT), maxnreg=None,
-                   block_n=decode_gluon.BLOCK_N, bufs=2):
+                   block_n=decode_gluon.BLOCK_N):
     fn = decode_gluon._paged_decode_gluon
     dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     desc = decode_gluon.descriptor(torch.empty(4, page, 8, 128, dtype=dt))
     const = dict(GROUP=4, PAGE=page, D=128, BLOCK_M=block_m, BLOCK_N=block_n,
                  STAGES=stages, CAUSAL=mask == "causal", HAS_DRAFT=mask == "draft",
                  SCALES_IN_MEMORY=False, CHECK=False,
-                 P_SPLIT=p_split, BUFS=bufs)
+                 P_SPLIT=p_split)
     ptrs = {"q_ptr": "*bf16", "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "scales_ptr": "*fp32",
             "flag_ptr": "*i32"}

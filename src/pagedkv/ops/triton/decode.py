@@ -391,9 +391,11 @@ HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no g
 PAGE_TILES = True
 PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
 WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
-# the Gluon fp8 kernel (decode_gluon.py) where it applies: 0.90x the Triton fp8 kernel's
-# speed at B64 ctx8K p16 on the H200 with 2 ring slots (0.81x with 3; docs/kernels.md)
-GLUON_FP8 = False
+# the Gluon fp8 kernel (decode_gluon.py, both products on e4m3 tensor cores) for q_len-1
+# calls it takes: 1.08x the Triton fp8 kernel's speed at B64 ctx8K and ctx32K p16 on the
+# H200 (11:01 UTC run, docs/kernels.md); longer query blocks were not timed, so they keep
+# the Triton kernel unless ``gluon=True``
+GLUON_FP8 = True
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
 ONE_SPLIT_FILL = 0.9  # one split once the unsplit programs fill this much of a wave (one_wave)
@@ -517,7 +519,9 @@ def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
     if not (batch and rows):
         return DecodePlan(None, None, None, False, None, True, empty=True)
     fp8 = is_fp8(k_cache.dtype) and is_fp8(v_cache.dtype) and not f32
-    if fp8 and (GLUON_FP8 if gluon is None else gluon) and not interpreting():
+    if gluon is None:
+        gluon = GLUON_FP8 and max(1, max_query_len) == 1
+    if fp8 and gluon and not interpreting():
         plan = _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
                            mask, scale, soft_cap, sinks, k_scale, v_scale, max_query_len,
                            max_seq_len, splits, num_stages, block_n, maxnreg)
@@ -587,7 +591,7 @@ def _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
     from pagedkv.ops.triton import decode_gluon
 
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
-    if block_n not in (None, 64, 128):  # one or two m64 key tiles per warpgroup
+    if block_n not in (None, decode_gluon.BLOCK_N):  # (one m64 key tile per warpgroup)
         return None
     if decode_gluon.supported(q, k_cache, v_cache, mask, soft_cap, max_query_len, sinks,
                               in_memory) is not None:
@@ -620,10 +624,10 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     it; needs the block size and ``block_n`` to divide one another), ``widen`` loads fp8
     tiles as 32-bit words and widens them to fp16 in registers (fp8 caches with power-of-two
     head dims and 4-byte aligned entries; ignored otherwise). ``gluon`` runs fp8 caches
-    through the Gluon kernel (``decode_gluon.py``: Hopper, head dim 128, no window, chunk or
-    soft cap; the other options but ``splits`` and ``num_stages`` do not apply; default
-    ``GLUON_FP8``). Other options: ``splits``, ``block_n``, ``num_warps``, ``num_stages``,
-    ``maxnreg``."""
+    through the Gluon kernel (``decode_gluon.py``: Hopper, head dim 128, block size 16, no
+    window, chunk, soft cap, sinks or device-memory scales; of the other options only ``splits``, ``num_stages``
+    and ``maxnreg`` apply; default ``GLUON_FP8``, for q_len-1 calls). Other options:
+    ``splits``, ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg``."""
     plan = decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
                        mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
                        v_scale=v_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,

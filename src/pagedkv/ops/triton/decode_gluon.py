@@ -2,27 +2,29 @@
 with both products on the 8-bit tensor cores.
 
 Why: the ``tl.dot`` decode kernels widen fp8 K/V to fp16 before their MMAs (byte permutes,
-200+ registers, 2 programs per SM: 1.2x the bf16 kernel, docs/kernels.md); e4m3 scores
-alone left P x V 16-bit and gained nothing. 8-bit wgmma operands from shared memory must
-be K-major, which K is ([keys, dims], dims contiguous) and V is not, so V is transposed
-once per tile through registers:
+200+ registers, 2 programs per SM: 1.2x the bf16 kernel, docs/kernels.md), and e4m3 scores
+alone left P x V 16-bit. 8-bit wgmma operands from shared memory must be K-major: K
+([keys, dims], dims contiguous) is, V is not, so V is transposed once per tile through
+registers into a K-major buffer.
 
 - A copy warp (``warp_specialize``) brings 64-key tiles by TMA, one 16-slot box of K and of
-  V per 16 keys from the cache seen as [slots, kv_heads * dim], into a ring of ``STAGES``
-  slots (ready / empty mbarriers); boxes behind bad block ids are not copied.
-- The compute warpgroup, keys on the MMA's M side so the 4-32 (query row, head) pairs of a
-  KV head are the MMA's N (8-32): S^T = K Q^T with the query split into two e4m3 tiles
-  (hi + lo, one scale per pair: bf16's 8 significant bits), V -> registers -> V^T in a
-  K-major buffer (while the score MMAs run), the online softmax, P x 256 split into e4m3
-  hi + lo, O^T += V^T P^T (two MMAs). Sums add the e4m3 values the MMA multiplies.
+  V per 16 keys from the cache seen as [slots, kv_heads * dim] (bad block ids read page
+  0), into a ring of ``STAGES`` slots with ready / empty mbarriers.
+- The compute warpgroup, keys on the MMA's M side so the (query row, head) pairs of a KV
+  head are the MMA's N (8 at q_len 1, group 4): S^T = K Q^T with the query split into two
+  e4m3 tiles (hi + lo, one scale per pair: about bf16's 8 significant bits); V -> registers
+  (keys not read zeroed: NaN-filled slots would survive a zero probability) -> V^T while
+  the score MMAs run; the online softmax; P x 256 split into e4m3 hi + lo (one e4m3 tile
+  alone: 1-2.5% relative error); O^T += V^T P^T (two MMAs). The sums add the e4m3 values
+  the MMA multiplies.
 - Every program writes its split of the (o, m, l) workspace; ``combine`` merges the splits
   (and zeroes padding rows).
 
 Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, head dim 128
 for K and V, block size 16, heads packed in an entry, float scales, causal, non-causal and
 draft-block masks, up to 32 (row, head) pairs per KV head; no window/chunk/soft-cap/sinks.
-Whether it is the default for those calls is ``decode.GLUON_FP8`` (docs/kernels.md has the
-H200 runs).
+The default for q_len-1 calls it takes (``decode.GLUON_FP8``): 1.08x the Triton fp8 kernel's
+speed at B64 ctx8K / 32K p16 on the H200, 1.30x the bf16 kernel (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -41,15 +43,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from pagedkv.ops.fp8 import is_fp8
 
 BLOCK_N, BOX, DIM = 64, 16, 128
-# ring slots: 2 with 4 programs per SM beat 3 or 4 slots with fewer programs (H200, 11:01 UTC)
+# ring slots: 2 (4 programs per SM) beat 3 (3 per SM) by 15% on the H200 (docs/kernels.md)
 STAGES = 2
-LOADER_REGS = gl.constexpr(40)  # the copy warp's register budget
+LOADER_REGS = gl.constexpr(40)  # the copy warp's register request (worker_num_regs)
 # probabilities as e4m3 hi + lo (two value MMAs): one e4m3 tile alone gives 1-2.5% relative
 # error on random values (a float64 emulation), over the fp8 tests' 1e-2 bound
 P_SPLIT = True
 # registers per thread of the launch (256 threads: the copy warp is padded to a warpgroup,
-# which keeps 40 and gives the rest to the compute warpgroup) by the MMA's N: the smallest
-# without spills in the sm_90 compile (64: 4 programs per SM)
+# whose registers mostly go to the compute warpgroup: 104 of them at 64) by the MMA's N:
+# the smallest without spills in the sm_90 compile (64: 4 programs per SM)
 MAXNREG = {8: 64, 16: 128, 32: 128}
 MAX_PAIRS = 32  # (query row, query head) pairs of one KV head per program (the MMA's N)
 
@@ -80,92 +82,46 @@ def _key_ok(table_row, keys, s_hi, num_blocks, PAGE: gl.constexpr):
 @gluon.jit
 def _loader(args, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warp: the TMA copies of tile t (one 16-slot box of K and of V per 16 keys) into
-    ring slot t % STAGES once the compute warpgroup has released it. A box behind a bad
-    block id is not copied: the slot keeps finite older values (the ring starts zeroed),
-    whose keys the scores mask."""
+    ring slot t % STAGES once the compute warpgroup has released it; bad block ids read
+    page 0 (their keys are masked)."""
     (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
      table_row, s_lo, s_hi, n_tiles, num_blocks, col) = args[:17]
-    NBOX: gl.constexpr = BLOCK_N // 16
-    b_l: gl.constexpr = gl.BlockedLayout([NBOX], [32], [1], [0])
-    box = gl.arange(0, NBOX, layout=b_l)
     for t in range(n_tiles):
         stage = t % STAGES
         n0 = s_lo + t * BLOCK_N
-        key = n0 + box * 16
-        pages = gl.load(table_row + key // PAGE, mask=key < s_hi, other=0)
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
-        for j in gl.static_range(NBOX):  # one arrival per box (the barrier counts NBOX)
-            page = gl.sum(gl.where(box == j, pages, 0), 0)
-            ok = (page >= 0) & (page < num_blocks)
-            mbarrier.expect(bar, kd.block_type.nbytes * 2, pred=ok)
-            mbarrier.arrive(bar, pred=not ok)
-            row = page * PAGE + (n0 + j * 16) % PAGE
+        mbarrier.expect(bar, kd.block_type.nbytes * (BLOCK_N // 8))
+        for j in gl.static_range(BLOCK_N // 16):
+            key = n0 + j * 16
+            page = gl.load(table_row + key // PAGE, mask=key < s_hi, other=0)
+            page = gl.where((page < 0) | (page >= num_blocks), 0, page)
+            row = page * PAGE + key % PAGE
             tma.async_copy_global_to_shared(kd, [row, col], bar,
-                                            k_ring.index(stage).slice(j * 16, 16, dim=0), pred=ok)
+                                            k_ring.index(stage).slice(j * 16, 16, dim=0))
             tma.async_copy_global_to_shared(vd, [row, col], bar,
-                                            v_ring.index(stage).slice(j * 16, 16, dim=0), pred=ok)
-
-
-# 4 x 4 byte transpose: rows a, b, c, d (4 keys, 4 dims each) -> columns (4 keys of one dim)
-_T4 = gl.constexpr("""{
-.reg .b32 t0, t1, t2, t3;
-prmt.b32 t0, $4, $5, 0x5140;
-prmt.b32 t1, $6, $7, 0x5140;
-prmt.b32 t2, $4, $5, 0x7362;
-prmt.b32 t3, $6, $7, 0x7362;
-prmt.b32 $0, t0, t1, 0x5410;
-prmt.b32 $1, t0, t1, 0x7632;
-prmt.b32 $2, t2, t3, 0x5410;
-prmt.b32 $3, t2, t3, 0x7632;
-}""")
-
-
-@gluon.jit
-def _store_vt(v_slot, vt_buf, n0, s_hi, MASK: gl.constexpr, BLOCK_N: gl.constexpr,
-              D: gl.constexpr):
-    """V^T of the slot into ``vt_buf`` (K-major for the value MMA), as 32-bit words: 8 keys
-    x 2 words per thread, 4 x 4 byte transposes in registers (8 PRMT per 16 bytes); with
-    ``MASK`` the words of keys past ``s_hi`` are zeroed."""
-    w_l: gl.constexpr = gl.BlockedLayout([8, 2], [2, 16], [4, 1], [1, 0])
-    W: gl.constexpr = D // 4
-    # (the same bytes: NVMMA swizzles move 16-byte pieces whatever the element type)
-    src = v_slot._reinterpret(gl.int32, [BLOCK_N, W], gl.NVMMASharedLayout(
-        v_slot.layout.swizzle_byte_width, 32, rank=2))
-    w = src.load(w_l)
-    if MASK:
-        key = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
-        w = gl.where((key < s_hi)[:, None], w, 0)
-    w = gl.permute(gl.reshape(w, [BLOCK_N // 4, 2, 2, W]), [0, 3, 1, 2])  # [g, c, i, j]
-    k02, k13 = gl.split(w)  # key 4g + 2i + j
-    k0, k2 = gl.split(k02)
-    k1, k3 = gl.split(k13)
-    o0, o1, o2, o3 = gl.inline_asm_elementwise(
-        _T4, "=r,=r,=r,=r,r,r,r,r", [k0, k1, k2, k3], dtype=(gl.int32,) * 4, is_pure=True,
-        pack=1)
-    t = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [g, c, e, f]: dim 4c + 2f + e
-    t = gl.reshape(gl.permute(t, [1, 3, 2, 0]), [D, BLOCK_N // 4])
-    dst = vt_buf._reinterpret(gl.int32, [D, BLOCK_N // 4],
-                              gl.NVMMASharedLayout(vt_buf.layout.swizzle_byte_width, 32, rank=2))
-    dst.store(t)
+                                            v_ring.index(stage).slice(j * 16, 16, dim=0))
 
 
 @gluon.jit
 def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, CHECK: gl.constexpr,
-             P_SPLIT: gl.constexpr, BUFS: gl.constexpr):
+             P_SPLIT: gl.constexpr):
     """The warpgroup: queries to e4m3, then per tile S^T = K Q^T (keys on the MMA's M),
     V^T in shared memory, the online softmax, O^T += V^T P^T; writes its workspace split."""
     (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
      table_row, s_lo, s_hi, n_tiles, num_blocks, col, q_ptr, q_start, q_len, seq_len, kvh,
      stride_qt, stride_qh, draft, qk_scale, v_scale, flag_ptr, heads, num_splits, split,
-     ws_o, ws_m, ws_l, red) = args
+     ws_o, ws_m, ws_l) = args
     t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
+    # V tile [keys, dims] -> registers (16 dims of 4 keys per thread) -> V^T in shared memory
+    v_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     per_pair: gl.constexpr = gl.SliceLayout(0, t_l)
     per_key: gl.constexpr = gl.SliceLayout(1, t_l)
+    v_key: gl.constexpr = gl.SliceLayout(1, v_l)
     e4: gl.constexpr = gl.float8e4nv
 
     # queries -> two e4m3 tiles with one scale per pair: y = q / sq (row maximum 448),
@@ -193,10 +149,11 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     acc = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
     s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
     kn = gl.arange(0, BLOCK_N, layout=per_key)
+    kv = gl.arange(0, BLOCK_N, layout=v_key)
     for it in range(n_tiles):
         stage = it % STAGES
-        buf = it % BUFS  # V^T and P double-buffered: no barrier after the value MMA
         n0 = s_lo + it * BLOCK_N
+        ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
         ok, page = _key_ok(table_row, n0 + kn, s_hi, num_blocks, PAGE)
         if CHECK:
             bad = (n0 + kn < s_hi) & ((page < 0) | (page >= num_blocks))
@@ -207,22 +164,17 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         k_tile = k_ring.index(stage)
         s = warpgroup_mma(k_tile, qh_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(k_tile, ql_smem.permute((1, 0)), s, is_async=True)
-        # while the score MMAs run: V^T of the slot. The split's last tile zeroes the values
-        # of keys past its end (NaN-filled slots would survive a zero probability); other
-        # keys hold cache values or finite older ones (skipped boxes)
-        if n0 + BLOCK_N > s_hi:
-            _store_vt(v_ring.index(stage), vt_smem.index(buf), n0, s_hi, True, BLOCK_N, D)
-        else:
-            _store_vt(v_ring.index(stage), vt_smem.index(buf), n0, s_hi, False, BLOCK_N, D)
+        # while the score MMAs run: V^T of the slot, keys not read zeroed (NaN-filled slots
+        # would survive a zero probability)
+        vx = v_ring.index(stage).load(v_l)
+        vx = gl.where(ok_v[:, None], vx, gl.zeros_like(vx))
+        vt_smem.store(gl.permute(vx, (1, 0)))
         s = warpgroup_mma_wait(0, deps=[s])
-        seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
-        s = gl.where(seen, s * pair_scale[None, :], float("-inf"))
-        # each warp's maximum over its 16 keys crosses the warps through the slot-release
-        # barrier (no reduction barriers of its own; read after it, rewritten after the next)
-        red.store(gl.max(gl.reshape(s, [4, BLOCK_N // 4, BLOCK_M]), 1))
         gl.thread_barrier()  # every warp's V read and the scores' K read: release the slot
         mbarrier.arrive(empty.index(stage), count=1)
-        m_new = gl.maximum(m_i, gl.max(red.load(t_l), 0))
+        seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
+        s = gl.where(seen, s * pair_scale[None, :], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         # probabilities x 256 in e4m3 (normal down to 2^-14); the sums add what the MMA adds
         p = gl.exp2(s - m_use[None, :]) * 256.0
@@ -230,23 +182,20 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         m_i = m_new
         p8 = p.to(e4)
         pq = p8.to(gl.float32)
-        pt_smem.index(buf).store(gl.permute(p8, (1, 0)))
+        pt_smem.store(gl.permute(p8, (1, 0)))
         if P_SPLIT:
             p8l = (p - pq).to(e4)
             pq = pq + p8l.to(gl.float32)
-            pl_smem.index(buf).store(gl.permute(p8l, (1, 0)))
+            pl_smem.store(gl.permute(p8l, (1, 0)))
         l_acc = l_acc * alpha[None, :] + pq
         fence_async_shared()
         gl.thread_barrier()  # V^T and P stored by every warp
-        acc = warpgroup_mma(vt_smem.index(buf), pt_smem.index(buf).permute((1, 0)),
-                            acc * alpha[None, :], is_async=True)
+        acc = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), acc * alpha[None, :],
+                            is_async=True)
         if P_SPLIT:
-            acc = warpgroup_mma(vt_smem.index(buf), pl_smem.index(buf).permute((1, 0)), acc,
-                                is_async=True)
-        # (an accumulator left in flight across iterations makes ptxas serialize every wgmma)
+            acc = warpgroup_mma(vt_smem, pl_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        if BUFS == 1:
-            gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
+        gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
 
     row = m_r // GROUP
     base = ((q_start + row).to(gl.int64) * heads + kvh * GROUP + m_r % GROUP) * num_splits + split
@@ -266,7 +215,7 @@ def _paged_decode_gluon(
     GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_DRAFT: gl.constexpr, SCALES_IN_MEMORY: gl.constexpr, CHECK: gl.constexpr,
-    P_SPLIT: gl.constexpr, BUFS: gl.constexpr,
+    P_SPLIT: gl.constexpr,
 ):
     """Program (sequence, KV head, split): this split's keys for the sequence's pairs of
     this KV head; writes split ``split`` of the workspace."""
@@ -292,20 +241,13 @@ def _paged_decode_gluon(
     ql_smem = gl.allocate_shared_memory(e4, [BLOCK_M, D], q_layout)
     k_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], kd.layout)
     v_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], vd.layout)
-    vt_smem = gl.allocate_shared_memory(f8, [BUFS, D, BLOCK_N], vt_layout)
-    pt_smem = gl.allocate_shared_memory(e4, [BUFS, BLOCK_M, BLOCK_N], pt_layout)
-    pl_smem = gl.allocate_shared_memory(e4, [BUFS, BLOCK_M if P_SPLIT else 8, BLOCK_N],
-                                        pt_layout)
-    z_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
-    for i in gl.static_range(STAGES):  # finite values behind the boxes the copies skip
-        k_ring.index(i).store(gl.zeros([BLOCK_N, D], f8, layout=z_l))
-        v_ring.index(i).store(gl.zeros([BLOCK_N, D], f8, layout=z_l))
-    red = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M],
-                                    gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    vt_smem = gl.allocate_shared_memory(f8, [D, BLOCK_N], vt_layout)
+    pt_smem = gl.allocate_shared_memory(e4, [BLOCK_M, BLOCK_N], pt_layout)
+    pl_smem = gl.allocate_shared_memory(e4, [BLOCK_M if P_SPLIT else 8, BLOCK_N], pt_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=BLOCK_N // 16)
+        mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
@@ -328,9 +270,9 @@ def _paged_decode_gluon(
             table_row, s_lo, s_hi, n_tiles, num_blocks, kvh * D, q_ptr, q_start, q_len,
             seq_len, kvh, stride_qt, stride_qh, draft,
             scale * k_scale * 1.4426950408889634, v_scale, flag_ptr, heads, num_splits, split,
-            ws_o, ws_m, ws_l, red)
+            ws_o, ws_m, ws_l)
     gl.warp_specialize([(_compute, (args, GROUP, PAGE, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                                    HAS_DRAFT, CHECK, P_SPLIT, BUFS)),
+                                    HAS_DRAFT, CHECK, P_SPLIT)),
                         (_loader, (args, PAGE, BLOCK_N, STAGES))],
                        [1], [LOADER_REGS])
 
@@ -416,15 +358,10 @@ def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query
     scalars = (q.stride(0), q.stride(1), table.stride(0), num_blocks, heads, scale,
                1.0 if in_memory else float(k_scale), 1.0 if in_memory else float(v_scale),
                mask.draft_block or 0, splits)
-    n, keys = block_m(max(1, max_query_len) * group), block_n or BLOCK_N
-    if maxnreg is None:  # (128-key tiles: 128 registers, 2 programs per SM by shared memory)
-        maxnreg = max(MAXNREG[n], 128 if keys > 64 else 0)
-    # <= 48 registers (5 programs per SM, 72 for the compute warpgroup) go with single V^T
-    # and P buffers (44 KB of shared memory per program at 2 slots, 8 pairs) -- BUFS
-    consts = dict(GROUP=group, PAGE=block_size, D=dim, BLOCK_M=n,
-                  BLOCK_N=keys, STAGES=stages or STAGES, CAUSAL=mask.causal,
+    consts_m = block_m(max(1, max_query_len) * group)
+    consts = dict(GROUP=group, PAGE=block_size, D=dim, BLOCK_M=consts_m,
+                  BLOCK_N=block_n or BLOCK_N, STAGES=stages or STAGES, CAUSAL=mask.causal,
                   HAS_DRAFT=mask.draft_block is not None, SCALES_IN_MEMORY=in_memory,
                   CHECK=check, P_SPLIT=P_SPLIT if p_split is None else p_split,
-                  BUFS=1 if maxnreg <= 48 else 2,
-                  num_warps=4, maxnreg=maxnreg)
+                  num_warps=4, maxnreg=maxnreg or MAXNREG[consts_m])
     return grid, scalars, consts
