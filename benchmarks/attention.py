@@ -333,6 +333,51 @@ def gqa_case(batch, ctx, q_len, causal, page=16, hq=32, hkv=8, dim=128, fp8=Fals
     return ref
 
 
+# the Gluon fp8 kernel's sweep: splits, then ring depth against registers (programs per SM:
+# 2 stages x 64 registers: 4; 3 x 80: 3; 4 x 128: 2)
+GLUON_CONFIGS = [dict(gluon=True, splits=sp) for sp in (1, 2, 4)] + [
+    dict(gluon=True, splits=1, num_stages=st, maxnreg=r) for st, r in ((2, 80), (3, 80), (4, 128))]
+
+
+def fp8_gluon_case(batch, ctx, page=16, hq=32, hkv=8, dim=128) -> None:
+    """bf16 cache vs fp8 (e4m3, per-tensor scales) with the Triton kernel and with the Gluon
+    kernel (``gluon=True``, its defaults, then ``GLUON_CONFIGS``), one shape, same run; prints
+    each fp8 row's speed-up over the bf16 row (eager, and CUDA-graph replays with --graphs)."""
+    q, k, v, qsl, lens, table = gqa_inputs(batch, ctx, 1, page, hq, hkv, dim)
+    kw = dict(max_query_len=1, max_seq_len=ctx)
+    flops = 4.0 * batch * hq * ctx * dim
+    times = {}
+
+    def rec(case, name, fn, nbytes, ref):
+        out = record(case, name, fn, nbytes, ref, flops)
+        if out is not None:
+            times[(case, name)] = ROWS[-1][2]
+            if GRAPHS[0]:
+                us = record_graph(case, name, fn, nbytes, flops)
+                if us is not None:
+                    times[(case, name + "[graph]")] = us
+
+    base = f"gqa B{batch} ctx{ctx} q1 p{page}"
+    nb16 = 2 * batch * ctx * hkv * dim * 2
+    rec(base, "pagedkv_triton", lambda: paged_attention(q, k, v, qsl, lens, table, **kw), nb16, None)
+    k8, ks = to_fp8(k)
+    v8, vs = to_fp8(v)
+    ref = paged_attention(q, (k8.float() * ks).to(torch.bfloat16),
+                          (v8.float() * vs).to(torch.bfloat16), qsl, lens, table, **kw)
+    case = base + " fp8"
+    f8 = dict(kw, k_scale=ks, v_scale=vs)
+    for cfg in [dict(gluon=False), dict(gluon=True)] + GLUON_CONFIGS:
+        rec(case, config_name(cfg), lambda cfg=cfg: paged_attention(
+            q, k8, v8, qsl, lens, table, **f8, **cfg), nb16 // 2, ref)
+    for mode in ("", "[graph]"):
+        b16 = times.get((base, "pagedkv_triton" + mode))
+        if b16 is None:
+            continue
+        for (c, name), us in times.items():
+            if c == case and name.endswith("[graph]") == (mode == "[graph]"):
+                print(f"# {case} {name}: {b16 / us:.2f}x the bf16 kernel ({b16:.1f} us)", flush=True)
+
+
 def same_mode(times: dict[str, float], graph: bool) -> dict[str, float]:
     return {n: u for n, u in times.items() if n.endswith("[graph]") == graph}
 
@@ -561,6 +606,8 @@ def main(argv=None) -> int:
                         help="GQA: time no peers on the 7-token shapes")
     parser.add_argument("--gqa-shapes", help="GQA: only these bf16 q1 decode shapes, e.g. "
                         "64x1024,256x1024,64x4096x64 (batch x context [x page]), with peers")
+    parser.add_argument("--fp8-gluon", help="only bf16 vs fp8 Triton vs fp8 Gluon decode rows "
+                        "on these shapes, e.g. 64x8192,64x32768 (batch x context [x page])")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("pagedkv: error: benchmarks/attention.py needs a CUDA device", file=sys.stderr)
@@ -575,7 +622,11 @@ def main(argv=None) -> int:
     print(f"# device copy {COPY_GBS[0]:.0f} GB/s (read + write)")
     print("%-30s %-34s %9s %8s %7s %6s %7s %8s" % ("case", "kernel", "us", "KV MB", "GB/s", "%copy",
                                                  "TF/s", "relerr"))
-    if args.gqa_shapes and args.only != "mla":
+    if args.fp8_gluon:
+        for spec in args.fp8_gluon.split(","):
+            b, c, *p = (int(x) for x in spec.split("x"))
+            fp8_gluon_case(b, c, page=p[0] if p else 16)
+    elif args.gqa_shapes and args.only != "mla":
         GQA_COMPARE["gqa"] = []
         for spec in args.gqa_shapes.split(","):
             b, c, *p = (int(x) for x in spec.split("x"))
@@ -606,7 +657,7 @@ def main(argv=None) -> int:
         gqa_case(64, 8192, 1, True, fp8=True)
         if not args.quick:
             gqa_case(64, 32768, 1, True, fp8=True)
-    if args.only != "gqa":
+    if args.only != "gqa" and not args.fp8_gluon:
         sw = not args.no_mla_sweep
         mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw, graph=args.graphs)
         mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw, graph=args.graphs)

@@ -200,6 +200,7 @@ def paged_attention(
     block_m: int | None = None,
     page_tiles: bool | None = None,
     widen: bool | None = None,
+    gluon: bool | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq, Dv]; see ``pagedkv.ops.paged_attention``.
 
@@ -218,11 +219,12 @@ def paged_attention(
     kernel variants, ``heads_first`` the grid order, ``block_m`` the decode tile's rows
     (several row tiles per KV head when smaller than the pairs; benchmarks/attention.py sweeps
     them), ``page_tiles`` one block id per page instead of per key, ``widen`` fp8 tiles
-    widened to fp16 in registers before shared memory.
+    widened to fp16 in registers before shared memory, ``gluon`` the Gluon fp8 kernel
+    (``decode_gluon.py``) where it applies.
     """
     del compute_dtype  # the kernel accumulates in float32
     options = (splits, block_n, num_warps, num_stages, maxnreg, swap, fused, heads_first,
-               block_m, page_tiles, widen)
+               block_m, page_tiles, widen, gluon)
     key = None
     if max_query_len is not None and max_seq_len is not None:  # an engine's step: plans kept
         key = _plan_key(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, mask, scale,
@@ -272,7 +274,7 @@ def paged_attention(
                            f32=f32, splits=splits, block_n=block_n, num_warps=num_warps,
                            num_stages=num_stages, maxnreg=maxnreg, swap=swap, fused=fused,
                            heads_first=heads_first, block_m=block_m, page_tiles=page_tiles,
-                           widen=widen)
+                           widen=widen, gluon=gluon)
         if key is not None and plan.cacheable:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()

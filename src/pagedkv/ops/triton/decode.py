@@ -14,7 +14,8 @@ split the kernel normalises and writes the output itself (no workspace, no combi
 K/V addresses are built per page: one block id per page of the tile, or per tile when the
 page holds it (``page_tiles``, the default for 16-bit and float32 caches). Variants behind
 launch overrides, measured on the H200 and left off by default (docs/kernels.md): ``swap``
-(keys on the MMA's M side, wgmma), ``fused`` (the split that
+(keys on the MMA's M side, wgmma), ``gluon`` (fp8 caches on Hopper through
+``decode_gluon.py``), ``fused`` (the split that
 finishes last merges the partial states through an arrival counter, no combine launch),
 ``heads_first`` (grid order), ``block_m`` smaller than the (row, head) pairs (row tiles),
 ``widen`` (fp8 tiles loaded as 32-bit words and widened to fp16 before shared memory).
@@ -390,6 +391,11 @@ HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no g
 PAGE_TILES = True
 PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
 WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
+# the Gluon fp8 kernel (decode_gluon.py, both products on e4m3 tensor cores) for q_len-1
+# calls it takes: 1.08x the Triton fp8 kernel's speed at B64 ctx8K and ctx32K p16 on the
+# H200 (11:01 UTC run, docs/kernels.md); longer query blocks were not timed, so they keep
+# the Triton kernel unless ``gluon=True``
+GLUON_FP8 = True
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
 ONE_SPLIT_FILL = 0.9  # one split once the unsplit programs fill this much of a wave (one_wave)
@@ -502,7 +508,7 @@ def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
                 scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
                 splits=None, block_n=None, num_warps=None, num_stages=None,
                 maxnreg=None, swap=None, fused=None, heads_first=None, block_m=None,
-                page_tiles=None, widen=None) -> DecodePlan:
+                page_tiles=None, widen=None, gluon=None) -> DecodePlan:
     """The decode launch for these arguments (``launch_decode`` says what the options do).
     Tensor values are not read: only shapes, dtypes, strides and K/V's 4-byte alignment."""
     rows, heads, dim = q.shape
@@ -513,6 +519,14 @@ def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
     if not (batch and rows):
         return DecodePlan(None, None, None, False, None, True, empty=True)
     fp8 = is_fp8(k_cache.dtype) and is_fp8(v_cache.dtype) and not f32
+    if gluon is None:
+        gluon = GLUON_FP8 and max(1, max_query_len) == 1
+    if fp8 and gluon and not interpreting():
+        plan = _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
+                           mask, scale, soft_cap, sinks, k_scale, v_scale, max_query_len,
+                           max_seq_len, splits, num_stages, block_n, maxnreg)
+        if plan is not None:
+            return plan
     pairs = max(1, max_query_len) * group  # (query row, query head) pairs per KV head
     block_m = max(16, next_pow2(pairs)) if block_m is None else max(16, next_pow2(block_m))
     row_tiles = -(-pairs // block_m)
@@ -569,6 +583,33 @@ def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
     return DecodePlan(kernel, ws_shape, merge, in_memory, counters, not fused)
 
 
+def _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, mask, scale,
+                soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, splits,
+                stages, block_n=None, maxnreg=None) -> DecodePlan | None:
+    """The Gluon fp8 kernel's plan (workspace + combine), or None where it does not apply
+    (``decode_gluon.supported``)."""
+    from pagedkv.ops.triton import decode_gluon
+
+    in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
+    if block_n not in (None, decode_gluon.BLOCK_N):  # (one m64 key tile per warpgroup)
+        return None
+    if decode_gluon.supported(q, k_cache, v_cache, mask, soft_cap, max_query_len, sinks,
+                              in_memory) is not None:
+        return None
+    rows, heads, _ = q.shape
+    batch, kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    if splits is None:
+        splits = decode_splits(batch * kv_heads, max_seq_len, q.device)
+    grid, scalars, consts = decode_gluon.plan_args(
+        q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query_len, splits, stages,
+        in_memory, flag is not None, block_n=block_n, maxnreg=maxnreg)
+    kernel = decode_gluon._GluonLaunch(Launch(decode_gluon._paged_decode_gluon, grid, scalars,
+                                              consts, direct=False))
+    ws_shape = (rows, heads, splits, v_cache.shape[-1])
+    merge = combine_launch(ws_shape, out, query_start_loc, sinks)
+    return DecodePlan(kernel, ws_shape, merge, in_memory, None, True)
+
+
 def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag, *, mask,
                   scale, soft_cap, sinks, k_scale, v_scale, max_query_len, max_seq_len, f32,
                   **options) -> None:
@@ -582,8 +623,11 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     ``page_tiles`` reads one block id per page of the tile (one per tile when the page holds
     it; needs the block size and ``block_n`` to divide one another), ``widen`` loads fp8
     tiles as 32-bit words and widens them to fp16 in registers (fp8 caches with power-of-two
-    head dims and 4-byte aligned entries; ignored otherwise). Other options: ``splits``,
-    ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg``."""
+    head dims and 4-byte aligned entries; ignored otherwise). ``gluon`` runs fp8 caches
+    through the Gluon kernel (``decode_gluon.py``: Hopper, head dim 128, block size 16, no
+    window, chunk, soft cap, sinks or device-memory scales; of the other options only ``splits``, ``num_stages``
+    and ``maxnreg`` apply; default ``GLUON_FP8``, for q_len-1 calls). Other options:
+    ``splits``, ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg``."""
     plan = decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
                        mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
                        v_scale=v_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,

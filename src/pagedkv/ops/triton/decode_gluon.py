@@ -1,0 +1,367 @@
+"""Paged GQA decode over fp8 (e4m3/e5m2, per-tensor scaled) caches in Gluon for Hopper (sm_90),
+with both products on the 8-bit tensor cores.
+
+Why: the ``tl.dot`` decode kernels widen fp8 K/V to fp16 before their MMAs (byte permutes,
+200+ registers, 2 programs per SM: 1.2x the bf16 kernel, docs/kernels.md), and e4m3 scores
+alone left P x V 16-bit. 8-bit wgmma operands from shared memory must be K-major: K
+([keys, dims], dims contiguous) is, V is not, so V is transposed once per tile through
+registers into a K-major buffer.
+
+- A copy warp (``warp_specialize``) brings 64-key tiles by TMA, one 16-slot box of K and of
+  V per 16 keys from the cache seen as [slots, kv_heads * dim] (bad block ids read page
+  0), into a ring of ``STAGES`` slots with ready / empty mbarriers.
+- The compute warpgroup, keys on the MMA's M side so the (query row, head) pairs of a KV
+  head are the MMA's N (8 at q_len 1, group 4): S^T = K Q^T with the query split into two
+  e4m3 tiles (hi + lo, one scale per pair: about bf16's 8 significant bits); V -> registers
+  (keys not read zeroed: NaN-filled slots would survive a zero probability) -> V^T while
+  the score MMAs run; the online softmax; P x 256 split into e4m3 hi + lo (one e4m3 tile
+  alone: 1-2.5% relative error); O^T += V^T P^T (two MMAs). The sums add the e4m3 values
+  the MMA multiplies.
+- Every program writes its split of the (o, m, l) workspace; ``combine`` merges the splits
+  (and zeroes padding rows).
+
+Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, head dim 128
+for K and V, block size 16, heads packed in an entry, float scales, causal, non-causal and
+draft-block masks, up to 32 (row, head) pairs per KV head; no window/chunk/soft-cap/sinks.
+The default for q_len-1 calls it takes (``decode.GLUON_FP8``): 1.08x the Triton fp8 kernel's
+speed at B64 ctx8K / 32K p16 on the H200, 1.30x the bf16 kernel (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from pagedkv.ops.fp8 import is_fp8
+
+BLOCK_N, BOX, DIM = 64, 16, 128
+# ring slots: 2 (4 programs per SM) beat 3 (3 per SM) by 15% on the H200 (docs/kernels.md)
+STAGES = 2
+LOADER_REGS = gl.constexpr(40)  # the copy warp's register request (worker_num_regs)
+# probabilities as e4m3 hi + lo (two value MMAs): one e4m3 tile alone gives 1-2.5% relative
+# error on random values (a float64 emulation), over the fp8 tests' 1e-2 bound
+P_SPLIT = True
+# registers per thread of the launch (256 threads: the copy warp is padded to a warpgroup,
+# whose registers mostly go to the compute warpgroup: 104 of them at 64) by the MMA's N:
+# the smallest without spills in the sm_90 compile (64: 4 programs per SM)
+MAXNREG = {8: 64, 16: 128, 32: 128}
+MAX_PAIRS = 32  # (query row, query head) pairs of one KV head per program (the MMA's N)
+
+
+@gluon.jit
+def _extents(row, q_len, seq_len, draft, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
+    """Key interval [0, hi) of each pair's query row (bottom-right aligned rows; rows past
+    q_len or before position 0 see nothing)."""
+    first = seq_len - q_len
+    pos = first + row
+    if CAUSAL:
+        hi = pos + 1
+    elif HAS_DRAFT:
+        hi = first + (row // draft) * draft + draft
+    else:
+        hi = gl.zeros_like(row) + seq_len
+    return gl.where((row < q_len) & (pos >= 0), gl.minimum(hi, seq_len), 0)
+
+
+@gluon.jit
+def _key_ok(table_row, keys, s_hi, num_blocks, PAGE: gl.constexpr):
+    """Keys of the tile that are in the split and behind a block id inside the cache."""
+    inside = keys < s_hi
+    page = gl.load(table_row + keys // PAGE, mask=inside, other=0)
+    return inside & (page >= 0) & (page < num_blocks), page
+
+
+@gluon.jit
+def _loader(args, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the TMA copies of tile t (one 16-slot box of K and of V per 16 keys) into
+    ring slot t % STAGES once the compute warpgroup has released it; bad block ids read
+    page 0 (their keys are masked)."""
+    (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
+     table_row, s_lo, s_hi, n_tiles, num_blocks, col) = args[:17]
+    for t in range(n_tiles):
+        stage = t % STAGES
+        n0 = s_lo + t * BLOCK_N
+        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, kd.block_type.nbytes * (BLOCK_N // 8))
+        for j in gl.static_range(BLOCK_N // 16):
+            key = n0 + j * 16
+            page = gl.load(table_row + key // PAGE, mask=key < s_hi, other=0)
+            page = gl.where((page < 0) | (page >= num_blocks), 0, page)
+            row = page * PAGE + key % PAGE
+            tma.async_copy_global_to_shared(kd, [row, col], bar,
+                                            k_ring.index(stage).slice(j * 16, 16, dim=0))
+            tma.async_copy_global_to_shared(vd, [row, col], bar,
+                                            v_ring.index(stage).slice(j * 16, 16, dim=0))
+
+
+@gluon.jit
+def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, CHECK: gl.constexpr,
+             P_SPLIT: gl.constexpr):
+    """The warpgroup: queries to e4m3, then per tile S^T = K Q^T (keys on the MMA's M),
+    V^T in shared memory, the online softmax, O^T += V^T P^T; writes its workspace split."""
+    (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
+     table_row, s_lo, s_hi, n_tiles, num_blocks, col, q_ptr, q_start, q_len, seq_len, kvh,
+     stride_qt, stride_qh, draft, qk_scale, v_scale, flag_ptr, heads, num_splits, split,
+     ws_o, ws_m, ws_l) = args
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 32])
+    # V tile [keys, dims] -> registers (16 dims of 4 keys per thread) -> V^T in shared memory
+    v_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    per_pair: gl.constexpr = gl.SliceLayout(0, t_l)
+    per_key: gl.constexpr = gl.SliceLayout(1, t_l)
+    v_key: gl.constexpr = gl.SliceLayout(1, v_l)
+    e4: gl.constexpr = gl.float8e4nv
+
+    # queries -> two e4m3 tiles with one scale per pair: y = q / sq (row maximum 448),
+    # hi = e4m3(y), lo = e4m3(y - hi); hi + lo keeps about 8 significant bits (bf16's)
+    mq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+    q = gl.load(q_ptr + (q_start + mq // GROUP).to(gl.int64)[:, None] * stride_qt
+                + (kvh * GROUP + mq % GROUP)[:, None] * stride_qh + dq[None, :],
+                mask=(mq // GROUP < q_len)[:, None], other=0.0).to(gl.float32)
+    amax = gl.max(gl.abs(q), 1)
+    sq = gl.where(amax > 0, amax / 448.0, 1.0)
+    y = q / sq[:, None]
+    qh = y.to(e4)
+    qh_smem.store(qh)
+    ql_smem.store((y - qh.to(gl.float32)).to(e4))
+    fence_async_shared()
+    gl.thread_barrier()
+    pair_scale = gl.convert_layout(sq, per_pair) * qk_scale
+
+    m_r = gl.arange(0, BLOCK_M, layout=per_pair)
+    hi = _extents(m_r // GROUP, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_pair)
+    # row sums kept per thread and reduced once at the end: only the maxima cross the warps
+    l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    acc = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
+    s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    kn = gl.arange(0, BLOCK_N, layout=per_key)
+    kv = gl.arange(0, BLOCK_N, layout=v_key)
+    for it in range(n_tiles):
+        stage = it % STAGES
+        n0 = s_lo + it * BLOCK_N
+        ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
+        ok, page = _key_ok(table_row, n0 + kn, s_hi, num_blocks, PAGE)
+        if CHECK:
+            bad = (n0 + kn < s_hi) & ((page < 0) | (page >= num_blocks))
+            gl.store(flag_ptr + kn * 0, gl.full([BLOCK_N], 1, gl.int32, layout=per_key),
+                     mask=bad)
+            gl.store(flag_ptr + 1 + kn * 0, page, mask=bad)
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        k_tile = k_ring.index(stage)
+        s = warpgroup_mma(k_tile, qh_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_tile, ql_smem.permute((1, 0)), s, is_async=True)
+        # while the score MMAs run: V^T of the slot, keys not read zeroed (NaN-filled slots
+        # would survive a zero probability)
+        vx = v_ring.index(stage).load(v_l)
+        vx = gl.where(ok_v[:, None], vx, gl.zeros_like(vx))
+        vt_smem.store(gl.permute(vx, (1, 0)))
+        s = warpgroup_mma_wait(0, deps=[s])
+        gl.thread_barrier()  # every warp's V read and the scores' K read: release the slot
+        mbarrier.arrive(empty.index(stage), count=1)
+        seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
+        s = gl.where(seen, s * pair_scale[None, :], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        # probabilities x 256 in e4m3 (normal down to 2^-14); the sums add what the MMA adds
+        p = gl.exp2(s - m_use[None, :]) * 256.0
+        alpha = gl.exp2(m_i - m_use)
+        m_i = m_new
+        p8 = p.to(e4)
+        pq = p8.to(gl.float32)
+        pt_smem.store(gl.permute(p8, (1, 0)))
+        if P_SPLIT:
+            p8l = (p - pq).to(e4)
+            pq = pq + p8l.to(gl.float32)
+            pl_smem.store(gl.permute(p8l, (1, 0)))
+        l_acc = l_acc * alpha[None, :] + pq
+        fence_async_shared()
+        gl.thread_barrier()  # V^T and P stored by every warp
+        acc = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), acc * alpha[None, :],
+                            is_async=True)
+        if P_SPLIT:
+            acc = warpgroup_mma(vt_smem, pl_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
+
+    row = m_r // GROUP
+    base = ((q_start + row).to(gl.int64) * heads + kvh * GROUP + m_r % GROUP) * num_splits + split
+    rmask = row < q_len
+    gl.store(ws_m + base, m_i, mask=rmask)
+    gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
+    co = gl.arange(0, D, layout=per_key)
+    gl.store(ws_o + base[None, :] * D + co[:, None], acc * (v_scale / 256.0),
+             mask=rmask[None, :])
+
+
+@gluon.jit
+def _paged_decode_gluon(
+    q_ptr, kd, vd, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, scales_ptr, flag_ptr,
+    stride_qt, stride_qh, stride_tb, num_blocks, heads, scale, k_scale_f, v_scale_f, draft,
+    num_splits,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    HAS_DRAFT: gl.constexpr, SCALES_IN_MEMORY: gl.constexpr, CHECK: gl.constexpr,
+    P_SPLIT: gl.constexpr,
+):
+    """Program (sequence, KV head, split): this split's keys for the sequence's pairs of
+    this KV head; writes split ``split`` of the workspace."""
+    gl.static_assert(gl.num_warps() == 4)
+    f8: gl.constexpr = kd.dtype
+    e4: gl.constexpr = gl.float8e4nv
+    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], e4)
+    pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], e4)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], e4)
+    r_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    gl.static_assert(BLOCK_M <= 32)
+
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    q_start = gl.load(qsl_ptr + b)
+    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    if q_len <= 0:
+        return
+    seq_len = gl.load(lens_ptr + b)
+
+    qh_smem = gl.allocate_shared_memory(e4, [BLOCK_M, D], q_layout)
+    ql_smem = gl.allocate_shared_memory(e4, [BLOCK_M, D], q_layout)
+    k_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], kd.layout)
+    v_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], vd.layout)
+    vt_smem = gl.allocate_shared_memory(f8, [D, BLOCK_N], vt_layout)
+    pt_smem = gl.allocate_shared_memory(e4, [BLOCK_M, BLOCK_N], pt_layout)
+    pl_smem = gl.allocate_shared_memory(e4, [BLOCK_M if P_SPLIT else 8, BLOCK_N], pt_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    rows = gl.arange(0, 32, layout=r_l)  # every query row a program can hold (<= 32 pairs)
+    hi = _extents(rows, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    kv_hi = gl.max(hi, 0)
+    per = gl.cdiv(gl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = split * per
+    s_hi = gl.minimum(s_lo + per, kv_hi)
+    n_tiles = gl.maximum(gl.cdiv(s_hi - s_lo, BLOCK_N), 0)
+    table_row = table_ptr + b.to(gl.int64) * stride_tb
+    if SCALES_IN_MEMORY:
+        k_scale = gl.load(scales_ptr)
+        v_scale = gl.load(scales_ptr + 1)
+    else:
+        k_scale = k_scale_f
+        v_scale = v_scale_f
+    args = (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
+            table_row, s_lo, s_hi, n_tiles, num_blocks, kvh * D, q_ptr, q_start, q_len,
+            seq_len, kvh, stride_qt, stride_qh, draft,
+            scale * k_scale * 1.4426950408889634, v_scale, flag_ptr, heads, num_splits, split,
+            ws_o, ws_m, ws_l)
+    gl.warp_specialize([(_compute, (args, GROUP, PAGE, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                                    HAS_DRAFT, CHECK, P_SPLIT)),
+                        (_loader, (args, PAGE, BLOCK_N, STAGES))],
+                       [1], [LOADER_REGS])
+
+
+def _gl_fp8(dtype: torch.dtype):
+    return gl.float8e4nv if dtype == torch.float8_e4m3fn else gl.float8e5
+
+
+def descriptor(cache: torch.Tensor):
+    """TMA descriptor over the cache seen as [slots, kv_heads * dim]: a [16, 128] box is 16
+    slots of one KV head (128-byte swizzle)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_blocks, block_size, kv_heads, dim = cache.shape
+    rows, width = num_blocks * block_size, kv_heads * dim
+    flat = cache.as_strided((rows, width), (cache.stride(1), 1))
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    return TensorDescriptor(flat, [rows, width], [cache.stride(1), 1], [BOX, dim], layout)
+
+
+def supported(q, k_cache, v_cache, mask, soft_cap, max_query_len, sinks=None,
+              scales_in_memory=False) -> str | None:
+    """Why the Gluon kernel cannot take this call (None: it can). Device checks last.
+    Block size 16 only, float scales and no sinks: what the H200 tests passed. The kernel
+    compiles for any multiple of 16 and the combine adds sinks, but the one H200 test of
+    64-slot pages with sinks and scales in device memory gave NaN (2026-12-04 06:48 UTC,
+    cause not located: docs/kernels.md), so those calls keep the Triton kernel."""
+    if not (is_fp8(k_cache.dtype) and k_cache.dtype == v_cache.dtype):
+        return f"{k_cache.dtype}/{v_cache.dtype} caches (one fp8 format only)"
+    if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return f"a {k_cache.dtype} cache (e4m3fn/e5m2 only)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"{q.dtype} queries"
+    heads, dim = q.shape[1], q.shape[2]
+    num_blocks, block_size, kv_heads, kdim = k_cache.shape
+    if dim != DIM or kdim != DIM or v_cache.shape[-1] != DIM or v_cache.shape[:3] != k_cache.shape[:3]:
+        return f"head dims {dim}/{kdim}/{v_cache.shape[-1]} (128 only)"
+    if block_size != BOX or num_blocks == 0:
+        return f"block size {block_size} (16 only)"
+    if sinks is not None or scales_in_memory:
+        return "sinks or scales in device memory"
+    if max(1, max_query_len) * (heads // kv_heads) > MAX_PAIRS:
+        return f"{max_query_len} rows x {heads // kv_heads} heads per KV head (> {MAX_PAIRS})"
+    for c in (k_cache, v_cache):
+        if c.stride(3) != 1 or c.stride(2) != DIM or c.stride(1) % 16 or c.data_ptr() % 16 or (
+                c.stride(0) != block_size * c.stride(1)):
+            return "cache entries not head-packed and 16-byte aligned"
+    if mask.window is not None or mask.chunk is not None or soft_cap is not None:
+        return "sliding-window / chunked masks or a soft cap"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not a Hopper (sm_90) device"
+    return None
+
+
+def block_m(pairs: int) -> int:
+    """The MMA's N: the pairs of one KV head rounded up to a power of two, at least 8."""
+    return max(8, 1 << max(0, (pairs - 1).bit_length()))
+
+
+class _GluonLaunch:
+    """The kernel's launch with ``DecodePlan``'s kernel signature: TMA descriptors are made
+    per call (a plan serves every cache of its shape and strides)."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch) -> None:
+        self.launch = launch
+
+    def __call__(self, q, k_cache, v_cache, qsl, seq_lens, table, out, ws_o, ws_m, ws_l, scales,
+                 sinks, flag, counters) -> None:
+        del out, sinks, counters  # the combine writes the output and adds the sinks
+        self.launch(q, descriptor(k_cache), descriptor(v_cache), qsl, seq_lens, table, ws_o,
+                    ws_m, ws_l, scales, flag)
+
+
+def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query_len, splits, stages,
+              in_memory, check, p_split=None, block_n=None, maxnreg=None):
+    """(grid, scalars, constexprs) of one launch; the caller wraps them in a ``Launch``."""
+    rows, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    grid = (batch, kv_heads, splits)
+    scalars = (q.stride(0), q.stride(1), table.stride(0), num_blocks, heads, scale,
+               1.0 if in_memory else float(k_scale), 1.0 if in_memory else float(v_scale),
+               mask.draft_block or 0, splits)
+    consts_m = block_m(max(1, max_query_len) * group)
+    consts = dict(GROUP=group, PAGE=block_size, D=dim, BLOCK_M=consts_m,
+                  BLOCK_N=block_n or BLOCK_N, STAGES=stages or STAGES, CAUSAL=mask.causal,
+                  HAS_DRAFT=mask.draft_block is not None, SCALES_IN_MEMORY=in_memory,
+                  CHECK=check, P_SPLIT=P_SPLIT if p_split is None else p_split,
+                  num_warps=4, maxnreg=maxnreg or MAXNREG[consts_m])
+    return grid, scalars, consts
