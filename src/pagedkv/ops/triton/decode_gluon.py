@@ -109,7 +109,8 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
              CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, CHECK: gl.constexpr,
              P_SPLIT: gl.constexpr):
     """The warpgroup: queries to e4m3, then per tile S^T = K Q^T (keys on the MMA's M),
-    V^T in shared memory, the online softmax, O^T += V^T P^T; writes its workspace split."""
+    V^T in shared memory, the online softmax, O^T = O^T alpha + V^T P^T (the product in a
+    fresh accumulator); writes its workspace split."""
     (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
      table_row, s_lo, s_hi, n_tiles, num_blocks, col, q_ptr, q_start, q_len, seq_len, kvh,
      stride_qt, stride_qh, draft, qk_scale, v_scale, flag_ptr, heads, num_splits, split,
@@ -147,6 +148,7 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     # row sums kept per thread and reduced once at the end: only the maxima cross the warps
     l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
     acc = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
+    o0 = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
     s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
     kn = gl.arange(0, BLOCK_N, layout=per_key)
     kv = gl.arange(0, BLOCK_N, layout=v_key)
@@ -190,11 +192,14 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         l_acc = l_acc * alpha[None, :] + pq
         fence_async_shared()
         gl.thread_barrier()  # V^T and P stored by every warp
-        acc = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), acc * alpha[None, :],
-                            is_async=True)
+        # each tile's value product in a fresh accumulator, added to the running output in
+        # registers: e4m3 MMAs add into their accumulator with limited precision, so a
+        # running sum over thousands of keys there loses the small tiles' bits
+        o = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), o0, use_acc=False, is_async=True)
         if P_SPLIT:
-            acc = warpgroup_mma(vt_smem, pl_smem.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+            o = warpgroup_mma(vt_smem, pl_smem.permute((1, 0)), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+        acc = acc * alpha[None, :] + o
         gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
 
     row = m_r // GROUP
