@@ -148,7 +148,7 @@ def _fp8_case(seqs, block_size, dtype, k_scale, v_scale, seed, heads=32, kv_head
     k8 = fill_nan_(torch.empty(num_blocks, block_size, kv_heads, dim, dtype=dtype))
     v8 = fill_nan_(torch.empty(num_blocks, block_size, kv_heads, dim, dtype=dtype))
     keys, values = [], []
-    top = torch.finfo(dtype).max  # (past it a conversion may give NaN: torch 2.11 on the H200)
+    top = torch.finfo(dtype).max  # past it torch 2.11 converts to NaN (2.13 saturates)
     for b, (seq_len, _) in enumerate(seqs):
         kq = (torch.randn(seq_len, kv_heads, dim, generator=gen) / k_scale).clamp(-top, top).to(dtype)
         vq = (torch.randn(seq_len, kv_heads, dim, generator=gen) / v_scale).clamp(-top, top).to(dtype)
