@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
+from cubin import dump, gluon_source, loop_counts, resources
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
 
 from pagedkv.ops.triton import decode_gluon
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_kernel(fmt="e4m3", mask="causal", block_m=8, stages=decode_gluon.STAGES, page=16,
@@ -42,59 +36,18 @@ def compile_kernel(fmt="e4m3", mask="causal", block_m=8, stages=decode_gluon.STA
     ptrs = {"q_ptr": "*bf16", "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "scales_ptr": "*fp32",
             "flag_ptr": "*i32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("kd", "vd"):
-            sig[name] = mangle_type(desc)
-        else:
-            sig[name] = "fp32" if name in ("scale", "k_scale_f", "v_scale_f") else "i32"
-    src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+    src = gluon_source(fn, const, ptrs, {"kd": desc, "vd": desc},
+                       ("scale", "k_scale_f", "v_scale_f"))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4,
                          "maxnreg": maxnreg or decode_gluon.MAXNREG[block_m]})
 
 
-def loop_counts(sass: str):
-    """Instructions of the shortest backward-branch loop holding a GMMA (the key loop), and
-    their count by opcode."""
-    lines = []
-    for ln in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
-        if m:
-            lines.append((int(m.group(1), 16), m.group(2)))
-    best = None
-    for addr, ins in lines:
-        tgt = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)", ins)
-        if not tgt or int(tgt.group(1), 16) >= addr:
-            continue
-        body = [x for a, x in lines if int(tgt.group(1), 16) <= a <= addr]
-        if any("GMMA" in x for x in body) and (best is None or len(body) < len(best)):
-            best = body
-    ops = collections.Counter()
-    for ins in best or []:
-        ops[re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]] += 1
-    return (len(best) if best else 0), ops
-
-
 def report(kernel) -> dict:
     out = {"shared": kernel.metadata.shared}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as fh:
-            fh.write(kernel.asm["cubin"])
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path],
-                             capture_output=True, text=True).stdout
-        for key in ("REG", "STACK", "LOCAL"):
-            m = re.search(key + r":(\d+)", res)
-            out[key] = int(m.group(1)) if m else -1
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path],
-                              capture_output=True, text=True).stdout
+    res, sass = dump(kernel)
+    out.update(resources(res))
     out["local_ops"] = len(re.findall(r"\b(STL|LDL)", sass))
-    n, ops = loop_counts(sass)
+    n, ops = loop_counts(sass, "GMMA")
     out["loop"] = n
     out["loop_ops"] = dict(ops.most_common(16))
     ptx = collections.Counter(re.findall(r"^\s*(?:@%p\d+\s+)?((?:wgmma|cp\.async\.bulk\.tensor|cvt\.rn\.\w+\.e\w+)[\w.:]*)",

@@ -9,20 +9,16 @@ maxnreg= set the launch options). Prints registers, spills, shared memory and th
 
 from __future__ import annotations
 
-import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
+from cubin import dump, loop_counts
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
 from pagedkv.ops.triton.decode import _paged_decode_fwd
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_decode(**over):
@@ -65,50 +61,20 @@ def compile_decode(**over):
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
 
 
-def loop_counts(sass: str):
-    lines = []
-    for ln in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
-        if m:
-            lines.append((int(m.group(1), 16), m.group(2)))
-    best = None
-    for addr, ins in lines:
-        tgt = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)", ins)
-        if not tgt:
-            continue
-        t = int(tgt.group(1), 16)
-        if t >= addr:
-            continue
-        body = [x for a, x in lines if t <= a <= addr]
-        if any("HMMA" in x for x in body) and (best is None or len(body) > len(best)):
-            best = body
-    ops = collections.Counter()
-    for ins in best or []:
-        ins = re.sub(r"^@!?U?P\w+\s+", "", ins)
-        ops[ins.split()[0].split(".")[0]] += 1
-    return (len(best) if best else 0), ops
-
-
 def main(argv):
     over = {}
     for a in argv:
         k, v = a.split("=")
         over[k] = int(v)
     k = compile_decode(**over)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(k.asm["cubin"])
-        fh.flush()
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", fh.name],
-                              capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", fh.name],
-                             capture_output=True, text=True, check=True).stdout
+    res, sass = dump(k)
     if os.environ.get("SASS_OUT"):
         with open(os.environ["SASS_OUT"], "w") as fh:
             fh.write(sass)
         with open(os.environ["SASS_OUT"] + ".ttgir", "w") as fh:
             fh.write(k.asm["ttgir"])
     print(" ".join(a for a in argv), "|", re.search(r"REG:\d+.*", res).group(0).strip())
-    n, ops = loop_counts(sass)
+    n, ops = loop_counts(sass, "HMMA", longest=True)
     print(f"main loop: {n} instructions;", ", ".join(f"{o} {c}" for o, c in ops.most_common(14)))
     return 0
 

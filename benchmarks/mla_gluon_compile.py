@@ -15,21 +15,15 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
+from cubin import dump, gluon_source, resources, sass_lines
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
 
 from pagedkv.ops.triton import mla_gluon, mla_gluon_pph
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows"):
@@ -49,18 +43,7 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows")
     q = "*fp16" if dtype == "fp16" else "*bf16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("kd", "rd"):
-            sig[name] = mangle_type(kd if name == "kd" else rd)
-        else:
-            sig[name] = "fp32" if name in ("scale", "lscale") else "i32"
-    src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+    src = gluon_source(fn, const, ptrs, {"kd": kd, "rd": rd}, ("scale", "lscale"))
     options = {"num_warps": 4 if swap or halves else 8}
     if halves:
         options["maxnreg"] = mla_gluon_pph.PPH_MAXNREG
@@ -71,11 +54,7 @@ def loop_spills(sass: str) -> int:
     """Local-memory loads/stores (STL/LDL) inside the longest conditional backward branch's
     range, i.e. the key loop (an unconditional one is a wait's retry path jumping back in):
     a stack only written before the loop and read after it costs no per-tile traffic."""
-    code = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            code.append((int(m.group(1), 16), m.group(2)))
+    code = sass_lines(sass)
     loop = (0, -1)
     for addr, ins in code:
         t = re.match(r"@!?U?P\d\s+BRA\s+(0x[0-9a-f]+)", ins)  # conditional: a loop's own edge
@@ -87,15 +66,8 @@ def loop_spills(sass: str) -> int:
 
 def report(kernel) -> dict:
     out = {"shared": kernel.metadata.shared}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        text = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path],
-                              capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path],
-                              capture_output=True, text=True, check=True).stdout
-    out.update({k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)})
+    res, sass = dump(kernel)
+    out.update(resources(res))
     out["loop_spills"] = loop_spills(sass)
     ptx = kernel.asm["ptx"]
     kinds = r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait)"
