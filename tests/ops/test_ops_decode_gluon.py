@@ -203,8 +203,8 @@ def test_matches_float64_reference(fmt, q_len, mask, splits):
 
 @hopper_only
 def test_tensor_scales_sinks_and_large_pages_keep_the_triton_kernel():
-    # (the Gluon kernel gave NaN on this case in the 06:48 UTC H200 run: supported() now
-    # refuses it; the call falls back to the Triton kernel and must match the reference)
+    # supported() refuses this case (not run through the Gluon kernel since a NaN that was
+    # the reference's: docs/kernels.md); the Triton kernel must match the reference
     seqs = [(300, 1), (77, 1), (1, 1)]
     k_scale, v_scale = 2.0**-7, 2.0**-4
     (q, k8, v8, qsl, lens, table), keys, values = _fp8_case(

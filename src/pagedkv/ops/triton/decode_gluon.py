@@ -302,9 +302,10 @@ def supported(q, k_cache, v_cache, mask, soft_cap, max_query_len, sinks=None,
               scales_in_memory=False) -> str | None:
     """Why the Gluon kernel cannot take this call (None: it can). Device checks last.
     Block size 16 only, float scales and no sinks: what the H200 tests passed. The kernel
-    compiles for any multiple of 16 and the combine adds sinks, but the one H200 test of
-    64-slot pages with sinks and scales in device memory gave NaN (2026-12-04 06:48 UTC,
-    cause not located: docs/kernels.md), so those calls keep the Triton kernel."""
+    compiles for any multiple of 16 and the combine adds sinks; the one H200 test of
+    64-slot pages with sinks and scales in device memory gave NaN, which turned out to be
+    NaN in that test's reference (docs/kernels.md), but those calls were not run through
+    this kernel since, so they keep the Triton kernel."""
     if not (is_fp8(k_cache.dtype) and k_cache.dtype == v_cache.dtype):
         return f"{k_cache.dtype}/{v_cache.dtype} caches (one fp8 format only)"
     if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
