@@ -624,8 +624,8 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     it; needs the block size and ``block_n`` to divide one another), ``widen`` loads fp8
     tiles as 32-bit words and widens them to fp16 in registers (fp8 caches with power-of-two
     head dims and 4-byte aligned entries; ignored otherwise). ``gluon`` runs fp8 caches
-    through the Gluon kernel (``decode_gluon.py``: Hopper, head dim 128, block size 16, no
-    window, chunk, soft cap, sinks or device-memory scales; of the other options only ``splits``, ``num_stages``
+    through the Gluon kernel (``decode_gluon.py``: Hopper, head dim 128, blocks of a multiple
+    of 16 slots, no window, chunk or soft cap; of the other options only ``splits``, ``num_stages``
     and ``maxnreg`` apply; default ``GLUON_FP8``, for q_len-1 calls). Other options:
     ``splits``, ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg``."""
     plan = decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,

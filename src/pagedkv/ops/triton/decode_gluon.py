@@ -21,8 +21,9 @@ registers into a K-major buffer.
   (and zeroes padding rows).
 
 Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, head dim 128
-for K and V, block size 16, heads packed in an entry, float scales, causal, non-causal and
-draft-block masks, up to 32 (row, head) pairs per KV head; no window/chunk/soft-cap/sinks.
+for K and V, blocks of a multiple of 16 slots, heads packed in an entry, float or
+device-memory scales, sinks (in the combine), causal, non-causal and draft-block masks, up
+to 32 (row, head) pairs per KV head; no window/chunk/soft-cap.
 The default for q_len-1 calls it takes (``decode.GLUON_FP8``): 1.08x the Triton fp8 kernel's
 speed at B64 ctx8K / 32K p16 on the H200, 1.30x the bf16 kernel (docs/kernels.md).
 """
@@ -301,11 +302,8 @@ def descriptor(cache: torch.Tensor):
 def supported(q, k_cache, v_cache, mask, soft_cap, max_query_len, sinks=None,
               scales_in_memory=False) -> str | None:
     """Why the Gluon kernel cannot take this call (None: it can). Device checks last.
-    Block size 16 only, float scales and no sinks: what the H200 tests passed. The kernel
-    compiles for any multiple of 16 and the combine adds sinks; the one H200 test of
-    64-slot pages with sinks and scales in device memory gave NaN, which turned out to be
-    NaN in that test's reference (docs/kernels.md), but those calls were not run through
-    this kernel since, so they keep the Triton kernel."""
+    Pages of any multiple of 16 slots (one 16-slot TMA box per 16 keys), scales as floats
+    or in device memory, sinks (added by the combine): what the H200 tests passed."""
     if not (is_fp8(k_cache.dtype) and k_cache.dtype == v_cache.dtype):
         return f"{k_cache.dtype}/{v_cache.dtype} caches (one fp8 format only)"
     if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -316,10 +314,8 @@ def supported(q, k_cache, v_cache, mask, soft_cap, max_query_len, sinks=None,
     num_blocks, block_size, kv_heads, kdim = k_cache.shape
     if dim != DIM or kdim != DIM or v_cache.shape[-1] != DIM or v_cache.shape[:3] != k_cache.shape[:3]:
         return f"head dims {dim}/{kdim}/{v_cache.shape[-1]} (128 only)"
-    if block_size != BOX or num_blocks == 0:
-        return f"block size {block_size} (16 only)"
-    if sinks is not None or scales_in_memory:
-        return "sinks or scales in device memory"
+    if block_size % BOX or num_blocks == 0:
+        return f"block size {block_size} (multiples of {BOX} only)"
     if max(1, max_query_len) * (heads // kv_heads) > MAX_PAIRS:
         return f"{max_query_len} rows x {heads // kv_heads} heads per KV head (> {MAX_PAIRS})"
     for c in (k_cache, v_cache):
