@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.batch import build_metadata
 from pagedkv.engine import Engine, EngineOptions, SamplingParams
 
 TOL = 1e-4
@@ -116,3 +117,23 @@ def greedy_tokens(hf, lengths, *, new: int = 8) -> tuple[list[list[int]], list[l
     ps = prompts(hf.config.vocab_size, lengths, seed=5)
     engine = run(hf, ps, options(max_batched_tokens=6, record_logits=False), new=new)
     return [out.token_ids for out in engine.outputs], [hf_greedy(hf, p, new) for p in ps]
+
+
+# the device arrays of a step's metadata
+ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
+          "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+
+
+def assert_built_as_stateless(got, reqs, groups) -> None:
+    """``got`` equals build_metadata of ``reqs``, padded as ``got`` is."""
+    first = next(iter(got.values()))
+    want = build_metadata(reqs, groups, pad_batch_to=first.block_table.shape[0],
+                          pad_tokens_to=first.slot_mapping.shape[0],
+                          max_blocks=first.block_table.shape[1])
+    assert set(got) == set(want)
+    for gid, meta in got.items():
+        for name in ARRAYS:
+            assert torch.equal(getattr(meta, name), getattr(want[gid], name)), (gid, name)
+        for name in ("num_reqs", "num_tokens", "req_ids", "query_lens_host",
+                     "seq_lens_host", "num_draft_tokens_host"):
+            assert getattr(meta, name) == getattr(want[gid], name), (gid, name)

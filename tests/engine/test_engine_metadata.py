@@ -14,36 +14,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine_check import hf_greedy, options, prompts, run  # noqa: E402
+from engine_check import assert_built_as_stateless, hf_greedy, options, prompts, run  # noqa: E402
 
-from pagedkv.batch import build_metadata  # noqa: E402
 from pagedkv.engine import Engine, SamplingParams  # noqa: E402
 from pagedkv.engine.speculative import ScriptedDrafter, SpeculativeEngine  # noqa: E402
 from pagedkv.engine.tiny import tiny_model  # noqa: E402
 from pagedkv.errors import InvalidArgumentError  # noqa: E402
 
-ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
-          "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
-
 
 @pytest.fixture(scope="module")
 def llama():
     return tiny_model("llama-3-8b")
-
-
-def assert_built_as_stateless(got, reqs, groups) -> None:
-    """``got`` equals build_metadata of ``reqs``, padded as ``got`` is."""
-    first = next(iter(got.values()))
-    want = build_metadata(reqs, groups, pad_batch_to=first.block_table.shape[0],
-                          pad_tokens_to=first.slot_mapping.shape[0],
-                          max_blocks=first.block_table.shape[1])
-    assert set(got) == set(want)
-    for gid, meta in got.items():
-        for name in ARRAYS:
-            assert torch.equal(getattr(meta, name), getattr(want[gid], name)), (gid, name)
-        for name in ("num_reqs", "num_tokens", "req_ids", "query_lens_host",
-                     "seq_lens_host", "num_draft_tokens_host"):
-            assert getattr(meta, name) == getattr(want[gid], name), (gid, name)
 
 
 def check_every_step(engine) -> list[int]:

@@ -13,6 +13,8 @@ forward, so the copy would read KV not written yet; such a hit stops at the bloc
 
 from __future__ import annotations
 
+from collections import deque
+
 from pagedkv.blocks.events import CopyOp, EventLog
 from pagedkv.blocks.ids import BlockId, GroupId, GroupIndex
 from pagedkv.blocks.pool import BlockPool
@@ -21,12 +23,18 @@ from pagedkv.errors import CacheCorruptedError
 from pagedkv.kvspec.retention import blocks_per_request, cdiv, step_blocks
 from pagedkv.plan.types import Group
 
+# Where a manager reports a request whose block table it changed other than by blocks
+# appended at the table's end: nowhere (a deque that keeps nothing, a C-level no-op) until
+# an engine watches the tables (``KVCacheManager.watch_tables``)
+NOWHERE: deque = deque(maxlen=0)
+
 
 class GroupManager:
     """Base class; subclasses override the methods whose behaviour their retention changes."""
 
     holds_tokens = True  # block table indexed by token position (False: state slots, encoder)
     can_cache = True
+    changed = NOWHERE  # see NOWHERE
 
     def __init__(self, index: GroupIndex, group: Group, pool: BlockPool, caching: bool,
                  events: EventLog) -> None:
@@ -105,6 +113,7 @@ class GroupManager:
             h = req.pending.tokens
             pool.touch(hit, self.gid)
             req.tables[i] = table = list(hit)
+            self.changed.append(req)
             req.ncached[i] = h // self.bs
             if h % self.bs:  # the hit ends inside its last block: copy it, never write it
                 src = table.pop()
@@ -226,6 +235,7 @@ class GroupManager:
         table = req.tables[self.index]
         keep = cdiv(req.num_computed, self.bs)
         if len(table) > keep:
+            self.changed.append(req)
             extra = table[keep:]
             del table[keep:]
             extra.reverse()

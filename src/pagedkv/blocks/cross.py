@@ -24,6 +24,7 @@ class CrossManager(GroupManager):
 
     def allocate(self, req: RequestState, end: int, hit: list[int] | None) -> None:
         if not req.tables[self.index]:
+            self.changed.append(req)
             req.tables[self.index] = self.pool.allocate(self.fixed_blocks, self.gid)
 
     def commit(self, req: RequestState) -> int:

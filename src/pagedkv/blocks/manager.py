@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pagedkv.blocks import admission, checks
-from pagedkv.blocks.base import GroupManager
+from pagedkv.blocks.base import NOWHERE, GroupManager
 from pagedkv.blocks.cross import CrossManager
 from pagedkv.blocks.elastic import ElasticPool
 from pagedkv.blocks.events import BlockEvent, CopyOp, EventLog, GroupMetrics, Metrics
@@ -90,6 +90,19 @@ class _Revived(dict):
         return dict.get(self, pid, default)
 
 
+class _Tee:
+    """Several watchers' lists (``watch_tables``) fed as one."""
+
+    __slots__ = ("logs",)
+
+    def __init__(self, logs: tuple[list[RequestState], ...]) -> None:
+        self.logs = logs
+
+    def append(self, req: RequestState) -> None:
+        for log in self.logs:
+            log.append(req)
+
+
 def debug_from_env() -> bool:
     return os.environ.get("PAGEDKV_DEBUG", "").strip() not in ("", "0", "false", "no")
 
@@ -120,6 +133,7 @@ class KVCacheManager:
     """
 
     checked = False
+    changed = NOWHERE  # see watch_tables
     pool_class: type[BlockPool] = BlockPool
     elastic_pool_class: type[ElasticPool] = ElasticPool
 
@@ -945,9 +959,28 @@ class KVCacheManager:
         self.preemptions += 1
 
     def _release(self, req: RequestState) -> None:
+        self.changed.append(req)
         for m in self.managers:
             m.free(req)
         req.pending = None
+
+    def watch_tables(self) -> list[RequestState]:
+        """A list of its own to which every later change of a request's block tables other
+        than blocks appended at a table's end adds the request's state: a prefix hit
+        adopted (new lists), blocks leaving a window (nulled, ``first_live`` moved),
+        lookahead blocks given back at commit, free and preemption (every table emptied,
+        new lists), cross-attention and recurrent slots taken. So a table whose request is
+        not listed since some moment holds the blocks it held then, at the same columns,
+        and perhaps more after them. The watcher empties the list as it reads it (one
+        never read keeps growing); engine/stepmeta.py reads it to skip unchanged rows."""
+        log: list[RequestState] = []
+        held = self.changed
+        sink = log if held is NOWHERE else _Tee(
+            (*(held.logs if isinstance(held, _Tee) else (held,)), log))
+        self.changed = sink
+        for m in self.managers:
+            m.changed = sink
+        return log
 
     # --- queries -----------------------------------------------------------------------
     def block_tables(self, request_id: object) -> tuple[list[int], ...]:

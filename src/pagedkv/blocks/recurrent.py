@@ -157,6 +157,7 @@ class RecurrentManager(GroupManager):
         i = self.index
         if req.tables[i]:
             return
+        self.changed.append(req)
         pool = self.pool
         if hit:
             src = hit[0]
@@ -198,6 +199,7 @@ class RecurrentManager(GroupManager):
             req, op = holders.pop()  # (request, op)
             pool.uncache(src)
             req.tables[i] = [src]
+            self.changed.append(req)
             req.copy_src[i] = None
             self.taken[src] = req
             self._drop_op(op)

@@ -49,6 +49,7 @@ class WindowManager(GroupManager):
         first = min(self.first_needed(req.num_computed) // self.bs, len(table))
         live = req.first_live[i]
         if first > live:
+            self.changed.append(req)
             null = self.pool.null
             dropped = [b for b in table[live:first] if b != null]
             table[live:first] = [null] * (first - live)

@@ -89,7 +89,7 @@ class ModelRunner:
             tokens = manager.max_batched_tokens
             self.sync = TableSync(self.attn_groups, manager, self.gids, device=device,
                                   max_batch=min(max_batch or tokens, tokens), max_tokens=tokens,
-                                  max_model_len=max_len + lookahead,
+                                  max_model_len=max_len + lookahead, lookahead=lookahead,
                                   derive_on_device=derive_on_device)
         if shuffle_seed is not None:  # tests: block placement must not matter
             rng = random.Random(shuffle_seed)

@@ -32,6 +32,23 @@ groups with a null block (a window's): no other group drops blocks, so its ``fir
 stays 0. The counts go to the builder as int64 arrays (which it takes without a copy),
 and no draft counts when there are none. Instead of ``build_metadata``'s copy of every
 block list, a step costs a few operations per request.
+
+Over the engine's own :class:`KVCacheManager` a steady step costs O(rows that changed)
+instead: the manager lists every request whose table it changes other than by appending
+blocks at its end (``KVCacheManager.watch_tables``: hit adopted, window move, blocks given
+back at commit, free / preemption, cross-attention and recurrent slots). A row it did not
+list since the last step holds the blocks sent, at the same columns, and perhaps more
+after them; the step's allocation gave a full-attention or window group
+``ceil(end / block_size)`` blocks at most (``end``: the chunk's computed + new tokens +
+the engine's ``lookahead``, or the draft rows where more; a cross-attention table never
+grows), so only rows sent shorter than that are read (a decode step's block openings);
+the listed ones are compared entry by entry with the rows the builder holds
+(:meth:`TableSync._resync`: the kept entries above do not cover blocks appended on such
+steps), on every step, whichever path it takes. The per-request path stays for other
+managers and for steps whose requests changed. In checked mode (``check``; default: the manager's, i.e. ``PAGEDKV_DEBUG`` or
+``EngineOptions.checked``) every step's rows are then compared with the manager's tables
+and the per-request path's records (:class:`MetadataError` names the first that
+differs): a change the manager did not list fails there.
 """
 
 from __future__ import annotations
@@ -46,8 +63,11 @@ import torch
 from pagedkv.batch import StepMetadata
 from pagedkv.batch.persistent import PersistentMetadata
 from pagedkv.blocks import KVCacheManager
+from pagedkv.blocks.cross import CrossManager
+from pagedkv.blocks.full import FullManager
+from pagedkv.blocks.window import WindowManager
 from pagedkv.engine.scheduler import Chunk
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError, MetadataError
 from pagedkv.plan.types import Group
 
 
@@ -79,8 +99,6 @@ class _Sent:
 _lists, _lens, _lives, _tails_any = (attrgetter(a) for a in (
     "lists", "lens", "lives", "tails_any"))
 _tables, _first_live = attrgetter("tables"), attrgetter("first_live")
-_rid, _computed, _new = (attrgetter(a) for a in (
-    "request.rid", "num_computed", "num_new_tokens"))
 
 
 class TableSync:
@@ -90,12 +108,17 @@ class TableSync:
     ``max_batch`` / ``max_tokens``: the most requests / query rows of a step (the largest
     buckets); ``max_model_len`` (lookahead included) sets the block-table width.
     ``derive_on_device``: the builder's steady decode steps derived on the device (None: on
-    CUDA when Triton is installed). Counters for tests: ``added``, ``removed``,
-    ``rewritten`` (rows set anew), ``appended`` (rows that only grew)."""
+    CUDA when Triton is installed). ``lookahead``: the most draft positions a step
+    allocates past a chunk's tokens (the scheduler's). ``check``: compare every step's
+    rows with the manager's tables (None: the manager's checked mode). Counters for
+    tests: ``added``, ``removed``, ``rewritten`` (rows set anew), ``appended`` (rows that
+    only grew), ``tracked`` (steady steps read through the manager's list of changed
+    requests) and ``listed`` (rows it listed on those steps, compared entry by entry)."""
 
     def __init__(self, groups: Sequence[Group], manager: KVCacheManager, gids: Sequence[int], *,
                  device, max_batch: int, max_tokens: int, max_model_len: int,
-                 derive_on_device: bool | None = None) -> None:
+                 derive_on_device: bool | None = None, lookahead: int = 0,
+                 check: bool | None = None) -> None:
         self.mgr = manager
         width = max(-(-max_model_len // g.block_size) for g in groups)
         if derive_on_device is None:  # the builder's default (CUDA), where Triton is there
@@ -114,41 +137,171 @@ class TableSync:
         self.sent: dict[object, _Sent] = {}
         self._last_ids: tuple = ()
         self._aligned = None  # the last step's records in batch order (see _steady)
+        self.lookahead = lookahead
+        self.check = bool(getattr(manager, "checked", False)) if check is None else check
+        # per group: whether its table grows with the tokens (else fixed: cross-attention);
+        # None when some group's growth is not known here (no tracked steps then)
+        self._grows = self._growth(manager)
+        self._log = manager.watch_tables() if self._grows is not None else None
+        self._rows = None  # tracked steps: (row of each request id, sent lengths per group)
         self.added = self.removed = self.rewritten = self.appended = 0
+        self.tracked = self.listed = 0
+
+    def _growth(self, manager) -> list[bool] | None:
+        """Per group, whether allocation grows its tables to ``ceil(end / block_size)``
+        blocks (full attention, windows) or never after the first (cross-attention); None
+        for a manager that does not list its table changes or a kind of group not known
+        here."""
+        managers = getattr(manager, "managers", None)
+        if managers is None or not hasattr(manager, "watch_tables"):
+            return None
+        out = []
+        for _, i, _ in self.groups:
+            kind = type(managers[i])
+            if kind is not CrossManager and kind not in (FullManager, WindowManager):
+                return None
+            out.append(kind is not CrossManager)
+        return out
 
     def build(self, chunks: Sequence[Chunk], extra: Sequence[int]) -> StepMetadata:
         """The step's metadata (valid until the next :meth:`build`); ``extra[i]``: draft
         rows riding on chunk i."""
-        ids = tuple(map(_rid, chunks))
+        ids = tuple([c.request.rid for c in chunks])  # (a comprehension: faster than map
+        # with an attrgetter here)
         n = len(ids)
         if len(extra) != n:
             raise InvalidArgumentError(f"{len(extra)} draft counts for {n} chunks")
-        aligned = self._aligned if ids == self._last_ids else None
-        if ids != self._last_ids:
+        steady = ids == self._last_ids
+        aligned, rows = (self._aligned, self._rows) if steady else (None, None)
+        if not steady:
             for rid in self.sent.keys() - set(ids):
                 self.drop(rid)
             self._last_ids = ids
         # the counts as int64 arrays, which the builder takes without a copy
-        computed = np.fromiter(map(_computed, chunks), np.int64, n)
-        new = np.fromiter(map(_new, chunks), np.int64, n)
+        computed = np.fromiter([c.num_computed for c in chunks], np.int64, n)
+        new = np.fromiter([c.num_new_tokens for c in chunks], np.int64, n)
+        ends = computed + new if rows is not None else None  # what allocation was for
         drafts = None  # none: the builder's own zeros, no array to check
         if any(extra):
             drafts = np.fromiter(extra, np.int64, n)
             new += drafts
         states = self.mgr.requests
-        single = self._steady(ids, computed, states, aligned) if aligned is not None else None
-        if single is None:
-            single = self._each(ids, computed.tolist(), states)
+        log = self._log
+        if log is not None:  # every step reads (and empties) the manager's list
+            listed = {req.id for req in log} if log else ()
+            log.clear()
+            if rows is not None:
+                if drafts is not None:  # (a lookahead too small would miss their blocks)
+                    ends += np.maximum(drafts - self.lookahead, 0)
+                single = self._tracked(ids, computed, ends, states, rows, listed)
+            else:
+                single = {}
+                if listed:  # the listed rows first, compared entry by entry
+                    at = dict(zip(ids, computed.tolist()))
+                    for rid in listed:
+                        if rid in at and rid in self.sent:
+                            self._resync(rid, states[rid], at[rid], single)
+                single = self._each(ids, computed.tolist(), states, single)
+                self._rows = self._positions(ids)
+        else:
+            single = self._steady(ids, computed, states, aligned) if aligned is not None else None
+            if single is None:
+                single = self._each(ids, computed.tolist(), states)
+                self._aligned = self._align(ids)
         for j, (rids, blocks) in single.items():
             self.builder.append_each(rids, {self.groups[j][0]: blocks})
-        return self.builder.step(ids, computed, new, drafts)
+        meta = self.builder.step(ids, computed, new, drafts)
+        if self.check:
+            self._verify(ids, states)
+        return meta
 
-    def _each(self, ids, computed, states) -> dict[int, tuple[list, list]]:
-        """Every request's changes, one request at a time; what :meth:`_steady` needs for
-        the next step. Returns the single-block appends by group index."""
+    def _tracked(self, ids, computed, ends, states, rows, listed) -> dict[int, tuple[list, list]]:
+        """A steady step over a manager that lists its table changes: the listed rows
+        through :meth:`_resync`; then, per growing group, only the rows sent shorter than
+        the step's allocation may have made them (``ceil((end + lookahead) / bs)``
+        blocks) are read, for their new blocks. Returns the single-block appends by group
+        index."""
+        pos, lens = rows
+        sent = self.sent
+        single: dict[int, tuple[list, list]] = {}
+        dirty = {pos[rid] for rid in listed if rid in pos} if listed else ()
+        for r in sorted(dirty):
+            self._resync(ids[r], states[ids[r]], int(computed[r]), single)
+            self._refresh(lens, r, ids[r])
+        look = self.lookahead
+        grown = set()
+        for j, ((gid, i, bs), grows, ln) in enumerate(zip(self.groups, self._grows, lens)):
+            if not grows:
+                continue
+            # ceil((end + lookahead) / bs) > sent, without numpy's slow integer division
+            cand = np.flatnonzero(ends > ln * bs - look)
+            for r, k in zip(cand.tolist(), ln[cand].tolist()):
+                if r in dirty:
+                    continue
+                rid = ids[r]
+                table = states[rid].tables[i]
+                m = len(table)
+                if m <= k:
+                    if m < k:  # allocation left fewer blocks than sent: a change not listed
+                        raise MetadataError(
+                            f"TableSync: request {rid!r} group {gid}: {m} blocks, fewer than "
+                            f"the {k} sent, but the block manager did not list it as changed")
+                    continue
+                self._send_row(rid, j, gid, table, k, False, None, single)  # m > k: grew
+                ln[r] = m
+                sent[rid].lens[j] = m
+                grown.add(r)
+        self.appended += len(grown)
+        self.tracked += 1
+        self.listed += len(dirty)
+        return single
+
+    def _refresh(self, lens, r: int, rid) -> None:
+        """Row ``r``'s sent lengths from its record (after :meth:`_resync`)."""
+        rec = self.sent[rid]
+        for j, ln in enumerate(lens):
+            ln[r] = rec.lens[j]
+
+    def _positions(self, ids):
+        """For :meth:`_tracked`: each request's row in the batch, and the sent lengths per
+        group in batch order."""
+        recs = list(map(self.sent.__getitem__, ids))
+        lens = [np.fromiter(map(itemgetter(j), map(_lens, recs)), np.int64, len(recs))
+                for j in range(len(self.groups))]
+        return dict(zip(ids, range(len(ids)))), lens
+
+    def _verify(self, ids, states) -> None:
+        """Checked mode: every row of the step as the manager's tables are now, in the
+        builder and in the records the per-request path compares with."""
+        rows = self._rows
+        for r, rid in enumerate(ids):
+            state = states[rid]
+            rec = self.sent.get(rid)
+            if rec is None or rec.state is not state:
+                raise MetadataError(f"TableSync: request {rid!r}: the builder's row is not "
+                                    "the manager's request")
+            for j, (gid, i, _) in enumerate(self.groups):
+                table = state.tables[i]
+                held = self.builder.blocks(rid, gid)
+                if held != tuple(table):
+                    raise MetadataError(
+                        f"TableSync: request {rid!r} group {gid}: the builder holds "
+                        f"{list(held)}, the block manager's table is {table} (a change "
+                        "the manager did not list?)")
+                if (rec.lists[j] is not table or rec.lens[j] != len(table)
+                        or rec.lives[j] != state.first_live[i]
+                        or (rows is not None and rows[1][j][r] != len(table))):
+                    raise MetadataError(
+                        f"TableSync: request {rid!r} group {gid}: the record of what was "
+                        "sent is not the manager's table")
+
+    def _each(self, ids, computed, states, single=None) -> dict[int, tuple[list, list]]:
+        """Every request's changes, one request at a time. Returns the single-block
+        appends by group index (added to ``single``)."""
         get = self.sent.get
         index = self._index
-        single: dict[int, tuple[list, list]] = {}  # group j -> (rids, blocks): one block
+        if single is None:  # group j -> (rids, blocks): one block
+            single = {}
         for rid, done in zip(ids, computed):
             state = states[rid]
             sent = get(rid)
@@ -179,7 +332,6 @@ class TableSync:
                     entry[1].append(tables[index[j][0]][lens[j]])
                     lens[j] += 1
                 self.appended += 1
-        self._aligned = self._align(ids)
         return single
 
     def _align(self, ids):
@@ -236,7 +388,7 @@ class TableSync:
     def drop(self, rid) -> None:
         """The request's row leaves the builder (no-op for one it does not hold)."""
         if self.sent.pop(rid, None) is not None:
-            self._aligned = None
+            self._aligned = self._rows = None
             self.builder.remove(rid)
             self.removed += 1
 
@@ -257,27 +409,60 @@ class TableSync:
         for j, (gid, i, _) in enumerate(self.groups):
             table = tables[i]
             n = sent.lens[j]
-            m = len(table)
-            if (table is not sent.lists[j] or m < n or lives[i] != sent.lives[j]
-                    or (sent.tails[j] and tuple(table[sent.tail_from[j] : n]) != sent.tails[j])):
-                rewrite[gid] = table
-            elif m == n + 1:
-                entry = single.get(j)
-                if entry is None:
-                    entry = single[j] = ([], [])
-                entry[0].append(rid)
-                entry[1].append(table[n])
-                grew = True
-            elif m > n:
-                self.builder.append_blocks(rid, {gid: table[n:]})
-                grew = True
+            changed = (table is not sent.lists[j] or len(table) < n or lives[i] != sent.lives[j]
+                       or (sent.tails[j] and tuple(table[sent.tail_from[j] : sent.tail_from[j]
+                                                         + len(sent.tails[j])]) != sent.tails[j]))
+            grew |= self._send_row(rid, j, gid, table, n, changed, rewrite, single)
+        self._count(rid, rewrite, grew)
+        if rewrite or grew or sent.tails_any:
+            self.sent[rid] = self._record(state, done)
+
+    def _resync(self, rid, state, done: int, single) -> None:
+        """A request the manager listed as changed: each group's table compared with the
+        row the builder holds, entry by entry (the record's kept entries do not cover
+        blocks appended on tracked steps), then appended to or rewritten."""
+        sent = self.sent[rid]
+        if sent.state is not state:
+            self._sync(rid, state, done, single)  # removed, added
+            return
+        rewrite = {}
+        grew = False
+        tables = state.tables
+        for j, (gid, i, _) in enumerate(self.groups):
+            table = tables[i]
+            n = sent.lens[j]
+            changed = len(table) < n or tuple(table[:n]) != self.builder.blocks(rid, gid)
+            grew |= self._send_row(rid, j, gid, table, n, changed, rewrite, single)
+        self._count(rid, rewrite, grew)
+        self.sent[rid] = self._record(state, done)
+
+    def _send_row(self, rid, j: int, gid, table, n: int, changed: bool, rewrite: dict | None,
+                  single) -> bool:
+        """Group ``j``'s row of ``rid``, of which the builder holds ``n`` entries: noted in
+        ``rewrite`` when ``changed``, else the blocks past ``n`` appended (one: gathered in
+        ``single``, sent per group in one call). True when the row grew."""
+        m = len(table)
+        if changed:
+            rewrite[gid] = table
+        elif m == n + 1:
+            entry = single.get(j)
+            if entry is None:
+                entry = single[j] = ([], [])
+            entry[0].append(rid)
+            entry[1].append(table[n])
+            return True
+        elif m > n:
+            self.builder.append_blocks(rid, {gid: table[n:]})
+            return True
+        return False
+
+    def _count(self, rid, rewrite: dict, grew: bool) -> None:
+        """The rows noted for a rewrite sent; the counters moved."""
         if rewrite:
             self.builder.set_blocks(rid, rewrite)
             self.rewritten += 1
         elif grew:
             self.appended += 1
-        if rewrite or grew or sent.tails_any:
-            self.sent[rid] = self._record(state, done)
 
     def _record(self, state, done: int) -> _Sent:
         tables = state.tables
