@@ -17,6 +17,11 @@ registers into a K-major buffer.
   the score MMAs run; the online softmax; P x 256 split into e4m3 hi + lo (one e4m3 tile
   alone: 1-2.5% relative error); O^T += V^T P^T (two MMAs). The sums add the e4m3 values
   the MMA multiplies.
+- ``STACKED`` (the default): the hi and lo tiles of the query, and of P, side by side as one
+  operand (rows [0, pairs) hi, [pairs, 2 pairs) lo), so one MMA of twice the N does each
+  product (8 m64n16k32 a tile at q_len 1 instead of 16 m64n8k32: each K tile and V^T read
+  once by the tensor cores), the hi + lo column halves added in registers
+  (``gluon_common.half_sum``), as ``mla_gluon_e4m3``'s stacked form.
 - Every program writes its split of the (o, m, l) workspace; ``combine`` merges the splits
   (and zeroes padding rows).
 
@@ -24,8 +29,9 @@ Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, hea
 for K and V, blocks of a multiple of 16 slots, heads packed in an entry, float or
 device-memory scales, sinks (in the combine), causal, non-causal and draft-block masks, up
 to 32 (row, head) pairs per KV head; no window/chunk/soft-cap.
-The default for q_len-1 calls it takes (``decode.GLUON_FP8``): 1.08x the Triton fp8 kernel's
-speed at B64 ctx8K / 32K p16 on the H200, 1.30x the bf16 kernel (docs/kernels.md).
+The default for q_len-1 calls it takes (``decode.GLUON_FP8``). At B64 ctx8K / 32K p16 on the
+H200 (docs/kernels.md, 2026-12-04 14:09 UTC): stacked 1.42x / 1.45x the bf16 kernel's
+throughput (1.48x with 4 splits at 32K), two chains 1.27x / 1.28x.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from pagedkv.ops.fp8 import is_fp8
+from pagedkv.ops.triton.gluon_common import extents as _extents
+from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
 
 BLOCK_N, BOX, DIM = 64, 16, 128
 # ring slots: 2 (4 programs per SM) beat 3 (3 per SM) by 15% on the H200 (docs/kernels.md)
@@ -50,26 +58,15 @@ LOADER_REGS = gl.constexpr(40)  # the copy warp's register request (worker_num_r
 # probabilities as e4m3 hi + lo (two value MMAs): one e4m3 tile alone gives 1-2.5% relative
 # error on random values (a float64 emulation), over the fp8 tests' 1e-2 bound
 P_SPLIT = True
+# the query's and P's hi and lo side by side as one MMA's N (each K tile and V^T read once
+# by the tensor cores, the hi + lo sums in registers), as mla_gluon_e4m3's stacked form:
+# 346.4 us against 389.2 for two chains at B64 ctx8K p16 (H200, 14:09 UTC); P always split
+STACKED = True
 # registers per thread of the launch (256 threads: the copy warp is padded to a warpgroup,
 # whose registers mostly go to the compute warpgroup: 104 of them at 64) by the MMA's N:
 # the smallest without spills in the sm_90 compile (64: 4 programs per SM)
 MAXNREG = {8: 64, 16: 128, 32: 128}
 MAX_PAIRS = 32  # (query row, query head) pairs of one KV head per program (the MMA's N)
-
-
-@gluon.jit
-def _extents(row, q_len, seq_len, draft, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
-    """Key interval [0, hi) of each pair's query row (bottom-right aligned rows; rows past
-    q_len or before position 0 see nothing)."""
-    first = seq_len - q_len
-    pos = first + row
-    if CAUSAL:
-        hi = pos + 1
-    elif HAS_DRAFT:
-        hi = first + (row // draft) * draft + draft
-    else:
-        hi = gl.zeros_like(row) + seq_len
-    return gl.where((row < q_len) & (pos >= 0), gl.minimum(hi, seq_len), 0)
 
 
 @gluon.jit
@@ -108,7 +105,7 @@ def _loader(args, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexp
 def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, CHECK: gl.constexpr,
-             P_SPLIT: gl.constexpr):
+             P_SPLIT: gl.constexpr, STACKED: gl.constexpr):
     """The warpgroup: queries to e4m3, then per tile S^T = K Q^T (keys on the MMA's M),
     V^T in shared memory, the online softmax, O^T = O^T alpha + V^T P^T (the product in a
     fresh accumulator); writes its workspace split."""
@@ -118,6 +115,9 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
      ws_o, ws_m, ws_l) = args
     t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
+    # STACKED: the accumulators of hi and lo side by side ([keys or dims, 2 x pairs])
+    t2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, 2 * BLOCK_M, 32])
     # V tile [keys, dims] -> registers (16 dims of 4 keys per thread) -> V^T in shared memory
     v_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -137,8 +137,12 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     sq = gl.where(amax > 0, amax / 448.0, 1.0)
     y = q / sq[:, None]
     qh = y.to(e4)
-    qh_smem.store(qh)
-    ql_smem.store((y - qh.to(gl.float32)).to(e4))
+    if STACKED:  # rows [0, BLOCK_M) hi, [BLOCK_M, 2 BLOCK_M) lo of one operand (P split too)
+        qh_smem.slice(0, BLOCK_M, dim=0).store(qh)
+        qh_smem.slice(BLOCK_M, BLOCK_M, dim=0).store((y - qh.to(gl.float32)).to(e4))
+    else:
+        qh_smem.store(qh)
+        ql_smem.store((y - qh.to(gl.float32)).to(e4))
     fence_async_shared()
     gl.thread_barrier()
     pair_scale = gl.convert_layout(sq, per_pair) * qk_scale
@@ -148,9 +152,14 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_pair)
     # row sums kept per thread and reduced once at the end: only the maxima cross the warps
     l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
-    acc = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
-    o0 = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
-    s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    if STACKED:
+        s0 = gl.zeros([BLOCK_N, 2 * BLOCK_M], gl.float32, layout=t2_l)
+        o0 = gl.zeros([D, 2 * BLOCK_M], gl.float32, layout=t2_l)
+        acc = _half_sum(o0)  # [D, pairs] in the layout of the hi + lo sums
+    else:
+        acc = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
+        o0 = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
+        s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
     kn = gl.arange(0, BLOCK_N, layout=per_key)
     kv = gl.arange(0, BLOCK_N, layout=v_key)
     for it in range(n_tiles):
@@ -166,7 +175,8 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
         k_tile = k_ring.index(stage)
         s = warpgroup_mma(k_tile, qh_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_tile, ql_smem.permute((1, 0)), s, is_async=True)
+        if not STACKED:
+            s = warpgroup_mma(k_tile, ql_smem.permute((1, 0)), s, is_async=True)
         # while the score MMAs run: V^T of the slot, keys not read zeroed (NaN-filled slots
         # would survive a zero probability)
         vx = v_ring.index(stage).load(v_l)
@@ -175,6 +185,8 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         s = warpgroup_mma_wait(0, deps=[s])
         gl.thread_barrier()  # every warp's V read and the scores' K read: release the slot
         mbarrier.arrive(empty.index(stage), count=1)
+        if STACKED:
+            s = gl.convert_layout(_half_sum(s), t_l)
         seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
         s = gl.where(seen, s * pair_scale[None, :], float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 0))
@@ -185,11 +197,17 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         m_i = m_new
         p8 = p.to(e4)
         pq = p8.to(gl.float32)
-        pt_smem.store(gl.permute(p8, (1, 0)))
-        if P_SPLIT:
+        if STACKED:
             p8l = (p - pq).to(e4)
             pq = pq + p8l.to(gl.float32)
-            pl_smem.store(gl.permute(p8l, (1, 0)))
+            pt_smem.slice(0, BLOCK_M, dim=0).store(gl.permute(p8, (1, 0)))
+            pt_smem.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(p8l, (1, 0)))
+        else:
+            pt_smem.store(gl.permute(p8, (1, 0)))
+            if P_SPLIT:
+                p8l = (p - pq).to(e4)
+                pq = pq + p8l.to(gl.float32)
+                pl_smem.store(gl.permute(p8l, (1, 0)))
         l_acc = l_acc * alpha[None, :] + pq
         fence_async_shared()
         gl.thread_barrier()  # V^T and P stored by every warp
@@ -197,10 +215,14 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         # registers: e4m3 MMAs add into their accumulator with limited precision, so a
         # running sum over thousands of keys there loses the small tiles' bits
         o = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), o0, use_acc=False, is_async=True)
-        if P_SPLIT:
+        if P_SPLIT and not STACKED:
             o = warpgroup_mma(vt_smem, pl_smem.permute((1, 0)), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=[o])
-        acc = acc * alpha[None, :] + o
+        if STACKED:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout))[None, :] \
+                + _half_sum(o)
+        else:
+            acc = acc * alpha[None, :] + o
         gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
 
     row = m_r // GROUP
@@ -208,9 +230,19 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     rmask = row < q_len
     gl.store(ws_m + base, m_i, mask=rmask)
     gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
-    co = gl.arange(0, D, layout=per_key)
-    gl.store(ws_o + base[None, :] * D + co[:, None], acc * (v_scale / 256.0),
-             mask=rmask[None, :])
+    if STACKED:  # the output in the sums' layout
+        o_l: gl.constexpr = acc.type.layout
+        m_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
+        row_o = m_o // GROUP
+        base_o = ((q_start + row_o).to(gl.int64) * heads + kvh * GROUP + m_o % GROUP) \
+            * num_splits + split
+        co = gl.arange(0, D, layout=gl.SliceLayout(1, o_l))
+        gl.store(ws_o + base_o[None, :] * D + co[:, None], acc * (v_scale / 256.0),
+                 mask=(row_o < q_len)[None, :])
+    else:
+        co = gl.arange(0, D, layout=per_key)
+        gl.store(ws_o + base[None, :] * D + co[:, None], acc * (v_scale / 256.0),
+                 mask=rmask[None, :])
 
 
 @gluon.jit
@@ -221,7 +253,7 @@ def _paged_decode_gluon(
     GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_DRAFT: gl.constexpr, SCALES_IN_MEMORY: gl.constexpr, CHECK: gl.constexpr,
-    P_SPLIT: gl.constexpr,
+    P_SPLIT: gl.constexpr, STACKED: gl.constexpr = False,
 ):
     """Program (sequence, KV head, split): this split's keys for the sequence's pairs of
     this KV head; writes split ``split`` of the workspace."""
@@ -229,8 +261,11 @@ def _paged_decode_gluon(
     f8: gl.constexpr = kd.dtype
     e4: gl.constexpr = gl.float8e4nv
     vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], e4)
-    pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], e4)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], e4)
+    PAIR_ROWS: gl.constexpr = 2 * BLOCK_M if STACKED else BLOCK_M  # hi (+ lo) rows
+    pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIR_ROWS, BLOCK_N], e4)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIR_ROWS, D], e4)
+    ql_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], e4)
+    pl_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], e4)
     r_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     gl.static_assert(BLOCK_M <= 32)
 
@@ -243,13 +278,14 @@ def _paged_decode_gluon(
         return
     seq_len = gl.load(lens_ptr + b)
 
-    qh_smem = gl.allocate_shared_memory(e4, [BLOCK_M, D], q_layout)
-    ql_smem = gl.allocate_shared_memory(e4, [BLOCK_M, D], q_layout)
+    qh_smem = gl.allocate_shared_memory(e4, [PAIR_ROWS, D], q_layout)
+    ql_smem = gl.allocate_shared_memory(e4, [8 if STACKED else BLOCK_M, D], ql_layout)
     k_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], kd.layout)
     v_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], vd.layout)
     vt_smem = gl.allocate_shared_memory(f8, [D, BLOCK_N], vt_layout)
-    pt_smem = gl.allocate_shared_memory(e4, [BLOCK_M, BLOCK_N], pt_layout)
-    pl_smem = gl.allocate_shared_memory(e4, [BLOCK_M if P_SPLIT else 8, BLOCK_N], pt_layout)
+    pt_smem = gl.allocate_shared_memory(e4, [PAIR_ROWS, BLOCK_N], pt_layout)
+    pl_smem = gl.allocate_shared_memory(e4, [BLOCK_M if P_SPLIT and not STACKED else 8, BLOCK_N],
+                                        pl_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -278,7 +314,7 @@ def _paged_decode_gluon(
             scale * k_scale * 1.4426950408889634, v_scale, flag_ptr, heads, num_splits, split,
             ws_o, ws_m, ws_l)
     gl.warp_specialize([(_compute, (args, GROUP, PAGE, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                                    HAS_DRAFT, CHECK, P_SPLIT)),
+                                    HAS_DRAFT, CHECK, P_SPLIT, STACKED)),
                         (_loader, (args, PAGE, BLOCK_N, STAGES))],
                        [1], [LOADER_REGS])
 
@@ -351,7 +387,7 @@ class _GluonLaunch:
 
 
 def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query_len, splits, stages,
-              in_memory, check, p_split=None, block_n=None, maxnreg=None):
+              in_memory, check, p_split=None, block_n=None, maxnreg=None, stacked=None):
     """(grid, scalars, constexprs) of one launch; the caller wraps them in a ``Launch``."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -365,5 +401,6 @@ def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query
                   BLOCK_N=block_n or BLOCK_N, STAGES=stages or STAGES, CAUSAL=mask.causal,
                   HAS_DRAFT=mask.draft_block is not None, SCALES_IN_MEMORY=in_memory,
                   CHECK=check, P_SPLIT=P_SPLIT if p_split is None else p_split,
+                  STACKED=STACKED if stacked is None else stacked,
                   num_warps=4, maxnreg=maxnreg or MAXNREG[consts_m])
     return grid, scalars, consts

@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""sha1 of the sm_90 SASS of the Gluon decode kernels, one line per configuration, compiled
+on any machine (no GPU needed): run it before and after a refactor that should not change
+what the GPU runs, and compare (the compile is deterministic).
+
+Configurations: the GQA fp8 kernel (``decode_gluon``) at 8 / 16 / 32 (row, head) pairs in
+both forms; the MLA kernels (``mla_gluon``: 64-row serial, ping-pong over half-tile slots,
+the transposed <= 16-row kernel for bf16 and for fp8 widened; ``mla_gluon_e4m3`` in both
+forms).
+
+Usage: PYTHONPATH=src python benchmarks/gluon_sass_hashes.py (run without TRITON_INTERPRET).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_gluon_compile  # noqa: E402
+import mla_gluon_compile  # noqa: E402
+from cubin import dump  # noqa: E402
+
+GQA = ((8, "causal", 0), (8, "causal", 1), (32, "draft", 0), (32, "draft", 1), (16, "causal", 1))
+MLA = (("causal", "bf16", "rows"), ("causal", "bf16", "pingpong_halves"),
+       ("causal", "bf16", "swap"), ("draft", "fp8", "swap"), ("causal", "fp8", "e4m3_stacked"),
+       ("draft", "fp8", "e4m3_stacked"), ("causal", "fp8", "e4m3"))
+
+
+def sha(kernel) -> str:
+    return hashlib.sha1(dump(kernel)[1].encode()).hexdigest()[:12]
+
+
+def main() -> int:
+    for block_m, mask, stacked in GQA:
+        kernel = decode_gluon_compile.compile_kernel("e4m3", mask, block_m=block_m,
+                                                     stacked=stacked)
+        print(f"gqa pairs={block_m} {mask} stacked={stacked} {sha(kernel)}", flush=True)
+    for args in MLA:
+        print(f"mla {' '.join(args)} {sha(mla_gluon_compile.compile_fwd(*args))}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
