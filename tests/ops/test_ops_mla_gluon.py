@@ -34,13 +34,14 @@ SHARED_LIMIT = 227 * 1024  # bytes of shared memory one H100/H200 block may use
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mla_gluon_compile.py"
 
 
-def compiled_for_sm90(mask: str, dtype: str, kernel: str = "rows") -> dict:
+def compiled_for_sm90(mask: str, dtype: str, kernel: str = "rows", stages: str | None = None) -> dict:
     """benchmarks/mla_gluon_compile.py's report: the kernel compiled for sm_90 by the real
     compiler (no GPU needed), in a process without TRITON_INTERPRET (which replaces the JIT
     functions process-wide)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    out = subprocess.run([sys.executable, str(SCRIPT), mask, dtype, kernel], env=env,
+    extra = [stages] if stages else []
+    out = subprocess.run([sys.executable, str(SCRIPT), mask, dtype, kernel, *extra], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -99,6 +100,24 @@ def test_fp8_transposed_kernel_compiles_for_sm90_without_spills(mask):
     assert use["loop_spills"] == 0 and use["LOCAL"] == 0 and use["STACK"] <= 64, use
     assert use["ptx"].get("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == 68, use
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
+    assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
+
+
+@pytest.mark.parametrize("mask,stages,kernel", [
+    ("causal", None, "e4m3"), ("draft", "2", "e4m3"), ("full", "3", "e4m3"),
+    ("causal", None, "e4m3_stacked"), ("draft", "3", "e4m3_stacked")])
+def test_e4m3_kernel_compiles_for_sm90_without_spills(mask, stages, kernel):
+    """Both products on e4m3: the ring (``STAGES`` slots, 4; also 2 and 3), the transposed
+    latent, hi + lo queries and P fit in shared memory; nothing spills; every MMA is e4m3.
+    Two chains: m64n16k32 (scores: 64 keys x 16 rows over 576 columns, hi and lo = 2 x 18;
+    values: 8 x m64 over 64 keys, P hi and lo = 2 x 16); stacked: hi and lo as N = 32,
+    m64n32k32 (18 + 16)."""
+    use = compiled_for_sm90(mask, "fp8", kernel, stages)
+    assert 0 < use["shared"] <= SHARED_LIMIT, use
+    assert use["loop_spills"] == 0 and use["LOCAL"] == 0 and use["STACK"] == 0, use
+    shape, count = ("m64n32k32", 34) if kernel == "e4m3_stacked" else ("m64n16k32", 68)
+    assert use["ptx"].get(f"wgmma.mma_async.sync.aligned.{shape}.f32.e4m3.e4m3") == count, use
+    assert not [k for k in use["ptx"] if k.startswith("wgmma") and "e4m3.e4m3" not in k], use
     assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
 
 
@@ -213,16 +232,30 @@ FP8_CASES = [  # (heads, q_lens, seq_lens, mask, block size, splits): <= 16 rows
     (8, [2, 1, 2, 2], [300, 64, 1500, 129], Mask(), 64, None),
     (4, [3] * 3, [200, 3, 1025], Mask(causal=False, draft_block=3), 128, 2),
     (16, [1] * 3, [65, 191, 777], Mask(causal=False), 64, 4),
+    # one row per request (h1 q1), with and without splits
+    (1, [1] * 4, [70, 1000, 5, 129], Mask(), 64, None),
+    (1, [1] * 2, [3001, 200], Mask(), 128, 5),
+    (16, [1] * 2, [8191, 4100], Mask(), 64, None),
 ]
 
 
 @pytest.mark.parametrize("heads,q_lens,seq_lens,mask,block_size,splits", FP8_CASES)
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", [*gluon_mod.FP8_VARIANTS, "e4m3 other form"])
 def test_gluon_fp8_matches_float64_over_the_dequantized_latent(heads, q_lens, seq_lens, mask,
-                                                               block_size, splits, qdtype):
-    """A per-tensor e4m3 cache (unused pages NaN, shuffled table): the widening kernel
-    against float64 attention over what the cache holds (stored values x scale)."""
+                                                               block_size, splits, qdtype,
+                                                               variant):
+    """A per-tensor e4m3 cache (unused pages NaN, shuffled table): each fp8 Gluon kernel
+    (widening; both products on e4m3 in the default form and in the other one: ``STACKED``
+    flipped) against float64 attention over what the cache holds (stored values x scale)."""
     _needs_hopper()
+    if variant == "e4m3 other form":
+        from pagedkv.ops.triton import mla_gluon_e4m3
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(mla_gluon_e4m3, "STACKED", not mla_gluon_e4m3.STACKED)
+            return test_gluon_fp8_matches_float64_over_the_dequantized_latent(
+                heads, q_lens, seq_lens, mask, block_size, splits, qdtype, "e4m3")
     seed = 7 * len(seq_lens) + heads + block_size
     _, table, lat, q_lat, q_rope, qsl, lens = _latent_case(seq_lens, q_lens, heads, block_size,
                                                            qdtype, seed=seed)
@@ -237,8 +270,8 @@ def test_gluon_fp8_matches_float64_over_the_dequantized_latent(heads, q_lens, se
         stored.append(q8.double() * scale_fp8)  # what the cache holds, in float64
     sm = 1 / math.sqrt(192)
     got = paged_mla_latent(q_lat.to(DEVICE), q_rope.to(DEVICE), cache, qsl.to(DEVICE),
-                           lens.to(DEVICE), table.to(DEVICE), scale=sm, mask=mask, gluon=True,
-                           latent_scale=scale_fp8, splits=splits).double().cpu()
+                           lens.to(DEVICE), table.to(DEVICE), scale=sm, mask=mask,
+                           gluon=variant, latent_scale=scale_fp8, splits=splits).double().cpu()
     _check_against_float64(got, q_lat, q_rope, stored, seq_lens, q_lens, mask, sm)
     # the Triton fp8 kernel on the same cache agrees too
     tri = paged_mla_latent(q_lat.to(DEVICE), q_rope.to(DEVICE), cache, qsl.to(DEVICE),
@@ -247,8 +280,9 @@ def test_gluon_fp8_matches_float64_over_the_dequantized_latent(heads, q_lens, se
     torch.testing.assert_close(got, tri, rtol=1e-2, atol=1e-2)
 
 
-def test_gluon_fp8_kept_plan_matches_float64_on_every_call():
-    """Kept plans of the fp8 kernel: fresh queries every call, two caches, and another
+@pytest.mark.parametrize("variant", [True, *gluon_mod.FP8_VARIANTS])
+def test_gluon_fp8_kept_plan_matches_float64_on_every_call(variant):
+    """Kept plans of the fp8 kernels: fresh queries every call, two caches, and another
     latent scale (another plan: the scale is one of its scalars)."""
     _needs_hopper()
     seq_lens, q_len, heads, sm = [900, 2113, 65], 1, 16, 0.07
@@ -269,10 +303,30 @@ def test_gluon_fp8_kept_plan_matches_float64_on_every_call():
         q_rope = (torch.randn(3, heads, ROPE, generator=gen) / 8).bfloat16()
         got = paged_mla_latent(q_lat.to(DEVICE), q_rope.to(DEVICE), cache, qsl.to(DEVICE),
                                lens.to(DEVICE), table.to(DEVICE), scale=sm, mask=Mask(),
-                               gluon=True, latent_scale=s8, max_query_len=q_len,
+                               gluon=variant, latent_scale=s8, max_query_len=q_len,
                                max_seq_len=max(seq_lens))
         _check_against_float64(got.double().cpu(), q_lat, q_rope, stored, seq_lens,
                                [q_len] * 3, Mask(), sm)
+
+
+@pytest.mark.parametrize("stages,pairs,stacked", [(2, False, True), (4, True, True),
+                                                  (2, True, False), (4, True, False),
+                                                  (3, False, False)])
+def test_e4m3_other_forms_match_float64(monkeypatch, stages, pairs, stacked):
+    """The e4m3 kernel's other compiled forms: ring slots, the compiler's own transpose, hi
+    and lo as two MMA chains (``STACKED=False``)."""
+    from pagedkv.ops.triton import mla as triton_mla
+    from pagedkv.ops.triton import mla_gluon_e4m3
+
+    _needs_hopper()
+    monkeypatch.setattr(mla_gluon_e4m3, "STAGES", stages)
+    monkeypatch.setattr(mla_gluon_e4m3, "PAIRS", pairs)
+    monkeypatch.setattr(mla_gluon_e4m3, "STACKED", stacked)
+    monkeypatch.setattr(triton_mla, "_GLUON_PLANS", {})
+    test_gluon_fp8_matches_float64_over_the_dequantized_latent(
+        16, [1] * 4, [4097, 63, 640, 2000], Mask(), 128, 3, torch.bfloat16, "e4m3")
+    test_gluon_fp8_matches_float64_over_the_dequantized_latent(
+        8, [2, 1, 2, 2], [300, 64, 1500, 129], Mask(), 64, None, torch.float16, "e4m3")
 
 
 def _cpu_call(**over):
@@ -328,6 +382,45 @@ def test_gluon_true_refused_off_hopper_and_default_off_under_the_interpreter(mon
     with pytest.raises(InvalidArgumentError, match="gluon=True"):
         paged_mla_latent(ql, qr, cache, qsl, torch.tensor([70], dtype=torch.int32),
                          torch.tensor([[0, 1]], dtype=torch.int32), scale=0.1, gluon=True)
+
+
+def test_fp8_variants_pick_their_kernel_and_are_refused_elsewhere(monkeypatch):
+    """``plan`` launches the e4m3 kernel for ``variant="e4m3"`` (its ring depth), the widening
+    one for "widen" and for no name (``FP8_DEFAULT``); an fp8 name on a bf16 cache, and any
+    Gluon name off Hopper / under the interpreter, is refused with the reason."""
+    from pagedkv.ops.triton import mla_gluon_e4m3
+
+    gen = torch.Generator().manual_seed(8)
+    cache = torch.randn(3, 64, RANK + ROPE, generator=gen).clamp(-4, 4).to(torch.float8_e4m3fn)
+    ql = torch.randn(2, 16, RANK, generator=gen).bfloat16()
+    qr = torch.randn(2, 16, ROPE, generator=gen).bfloat16()
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    lens = torch.tensor([70, 100], dtype=torch.int32)
+    table = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
+    out = torch.empty(2, 16, RANK)
+
+    def kernel(variant):
+        made = gluon_mod.plan(ql, qr, cache, qsl, lens, table, out, scale=0.1, mask=CAUSAL,
+                              tiles=1, splits=2, block_m=16, variant=variant,
+                              latent_scale=0.25)
+        return made.kernel.kernel, made.kernel.consts, made.kernel.scalars
+
+    fn, consts, scalars = kernel("e4m3")
+    assert scalars[-1] == 0.25
+    assert fn is (mla_gluon_e4m3._mla_gluon_e4m3_stacked if mla_gluon_e4m3.STACKED
+                  else mla_gluon_e4m3._mla_gluon_e4m3)
+    assert consts["STAGES"] == mla_gluon_e4m3.STAGES and consts["num_warps"] == 4
+    assert "WIDEN" not in consts
+    assert kernel("widen")[0] is gluon_mod._mla_gluon_swap and kernel("widen")[1]["WIDEN"]
+    default = "e4m3" if gluon_mod.FP8_DEFAULT == "e4m3" else "widen"
+    assert kernel(None)[0] is kernel(default)[0]
+    call = dict(scale=0.1, latent_scale=0.25)
+    with pytest.raises(InvalidArgumentError, match="e4m3 caches"):
+        paged_mla_latent(ql, qr, cache.bfloat16(), qsl, lens, table, scale=0.1, gluon="e4m3")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in gluon_mod.FP8_VARIANTS:
+        with pytest.raises(InvalidArgumentError, match="Hopper"):
+            paged_mla_latent(ql, qr, cache, qsl, lens, table, gluon=name, **call)
 
 
 class _Chosen(Exception):

@@ -444,9 +444,10 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     sizes that are multiples of 64, ``gluon`` (the Hopper kernels, where they run). fp8 caches:
     the pointer kernel (a TMA tile converted to bf16 in registers spills), except <= 16 rows
     per request on blocks of multiples of 64, where ``gluon`` (per-tensor e4m3 with a float
-    scale: the transposed Gluon kernel widening fp8 tiles in shared memory, 1.20x the
-    pointer kernel; ``mla_gluon.supported`` sends the rest, e.g. fp8_ds_mla, back to the
-    pointer kernel with this config). ``waves``: programs
+    scale: ``mla_gluon.FP8_DEFAULT``, the Gluon kernel with both products on e4m3 MMAs, 1.79x
+    the one widening fp8 tiles in shared memory, itself 1.20x the pointer kernel;
+    ``mla_gluon.supported`` sends the rest, e.g. fp8_ds_mla, back to the pointer kernel with
+    this config). ``waves``: programs
     per multiprocessor that the KV splits aim at (rounded down: a second partial wave cost
     more than it gained in the sweeps)."""
     if interpreting():
@@ -577,7 +578,8 @@ def paged_mla_latent(
     ``mla_gluon`` (default: where ``launch_defaults`` says so, no Triton override above is
     given and ``mla_gluon.supported`` accepts the call, else the Triton kernels; True where
     they cannot run raises; only ``splits`` applies to them; a name from
-    ``mla_gluon.ROWS_VARIANTS`` is True with that variant of the 64-row kernel).
+    ``mla_gluon.ROWS_VARIANTS`` is True with that variant of the 64-row kernel, one from
+    ``mla_gluon.FP8_VARIANTS`` True with that <= 16-row kernel of an e4m3 cache).
     ``check_blocks=False`` skips reading back the out-of-cache flag (one host sync; it is
     also skipped inside CUDA-graph capture). Given ``max_query_len`` and ``max_seq_len``, a
     Gluon call keeps its launch plan (``mla_gluon.Plan``) keyed by every shape, stride,
@@ -589,9 +591,12 @@ def paged_mla_latent(
     if isinstance(gluon, str):
         from pagedkv.ops.triton import mla_gluon
 
-        if gluon not in mla_gluon.ROWS_VARIANTS:
+        if gluon not in mla_gluon.ROWS_VARIANTS + mla_gluon.FP8_VARIANTS:
+            raise InvalidArgumentError(f"gluon={gluon!r}: a bool or one of "
+                                       f"{mla_gluon.ROWS_VARIANTS + mla_gluon.FP8_VARIANTS}")
+        if gluon in mla_gluon.FP8_VARIANTS and latent_cache.dtype != torch.float8_e4m3fn:
             raise InvalidArgumentError(
-                f"gluon={gluon!r}: a bool or one of {mla_gluon.ROWS_VARIANTS}")
+                f"gluon={gluon!r} is a kernel of e4m3 caches, not of a {latent_cache.dtype} one")
         variant, gluon = gluon, True
     triton_knobs = (block_m, block_n, num_warps, num_stages, dv_splits, swap, tma)
     key = None

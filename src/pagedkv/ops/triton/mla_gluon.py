@@ -45,25 +45,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from pagedkv.launch import Launch
 from pagedkv.ops.triton.combine import combine_launch, workspace
+from pagedkv.ops.triton.gluon_common import extents as _extents
 
 RANK, ROPE, BLOCK_M, BLOCK_N, STAGES = 512, 64, 64, 64, 2
 SWAP_ROWS = 16  # rows per program of the transposed kernel
-
-
-@gluon.jit
-def _extents(row, q_len, seq_len, draft, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
-    """Key interval [0, hi) per row, as ``rows.row_extents`` without window/chunk: rows at
-    bottom-right positions; rows past q_len (or before position 0) see nothing."""
-    first = seq_len - q_len
-    pos = first + row
-    valid = (row < q_len) & (pos >= 0)
-    if CAUSAL:
-        hi = pos + 1
-    elif HAS_DRAFT:
-        hi = first + (row // draft) * draft + draft
-    else:
-        hi = gl.zeros_like(row) + seq_len
-    return gl.where(valid, gl.minimum(hi, seq_len), 0)
 
 
 @gluon.jit
@@ -488,6 +473,11 @@ def tile_rows(rows_per_request: int) -> int:
 # ``mla_gluon_pph._mla_gluon_pph`` (warp-specialized, half-tile slots)
 ROWS_VARIANTS = ("serial", "pingpong_halves")
 ROWS_DEFAULT = "pingpong_halves"
+# <= 16-row kernels of a per-tensor e4m3 cache: "widen" is ``_mla_gluon_swap`` with ``WIDEN``
+# (bf16 MMAs on tiles widened in shared memory), "e4m3" ``mla_gluon_e4m3._mla_gluon_e4m3``
+# (both products on e4m3 MMAs: 1.79x "widen" on the H200, docs/kernels.md)
+FP8_VARIANTS = ("widen", "e4m3")
+FP8_DEFAULT = "e4m3"
 
 
 class Plan:
@@ -514,6 +504,8 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     """Grid (batch x tiles, splits), each program writing its split of a workspace of
     ``splits`` splits that the combine merges into ``out``. Tensor values are not read."""
     swap = block_m == SWAP_ROWS
+    widen = cache.dtype == torch.float8_e4m3fn
+    e4m3 = swap and widen and (variant if variant in FP8_VARIANTS else FP8_DEFAULT) == "e4m3"
     variant = variant or ROWS_DEFAULT
     halves = variant == "pingpong_halves" and not swap
     kd, rd = descriptors(cache, RANK // 2 if halves else RANK)
@@ -521,9 +513,16 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     rows, heads = ql.shape[:2]
     consts = dict(R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, num_warps=8)
-    widen = cache.dtype == torch.float8_e4m3fn
     scalars = ()
-    if swap:
+    if e4m3:
+        from pagedkv.ops.triton import mla_gluon_e4m3
+
+        fn = mla_gluon_e4m3._mla_gluon_e4m3_stacked if mla_gluon_e4m3.STACKED \
+            else mla_gluon_e4m3._mla_gluon_e4m3
+        consts["num_warps"] = 4
+        consts["STAGES"], consts["PAIRS"] = mla_gluon_e4m3.STAGES, mla_gluon_e4m3.PAIRS
+        scalars = (float(latent_scale),)
+    elif swap:
         fn, consts["num_warps"], consts["WIDEN"] = _mla_gluon_swap, 4, widen
         scalars = (float(latent_scale if widen else 1.0),)
     elif halves:
