@@ -15,11 +15,15 @@ Usage: python benchmarks/attention.py [--quick] [--only gqa|mla] [--out FILE.md]
 GQA options: [--sweep full|small|none] (launch-config sweeps) [--no-draft-peers]
 [--gqa-shapes BxCTX[xPAGE],...] (only these bf16 q1 decode shapes, default config and peers:
 no sweep, no compared variants); the GQA part ends with the issue's GQA targets computed from the same run, per timing mode.
+[--fp8-peers]: only pagedkv, FlashInfer and FlashMLA with bf16 and fp8 (e4m3) caches on issue
+10's fp8 shapes (GQA B64 ctx8K/32K p16, MLA h16 B64 ctx8K p64, q1), relerr against float64,
+ending with each fp8 row against its own bf16 call and pagedkv's fp8 row (benchmarks/fp8_peers.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -31,6 +35,7 @@ import torch
 import triton
 
 from pagedkv.ops import Mask
+from pagedkv.ops.triton import mla_gluon
 from pagedkv.ops.triton.attention import paged_attention
 from pagedkv.ops.triton.cache_write import write_mla_latent
 from pagedkv.ops.triton.mla import paged_mla_latent
@@ -125,6 +130,47 @@ GLUON_VARIANTS = [{"gluon": False}] + [
 # PAGEDKV_BENCH_MLA_FAMILIES: a comma list of the MLA families to run (mla_q1, mla_rows,
 # mla_h128, mla_ds, mla_fp8; default all)
 MLA_FAMILIES = [f for f in os.environ.get("PAGEDKV_BENCH_MLA_FAMILIES", "").split(",") if f]
+# --gluon, MLA fp8: after each kernel of mla_gluon.FP8_VARIANTS, the e4m3 kernel in other
+# forms (PAGEDKV_BENCH_E4M3: a comma list of stages:splits:stacked, splits 0 = the default)
+E4M3_SWEEP = [({"gluon": "e4m3", **({"splits": int(sp)} if int(sp) else {})}, (int(st), st_ == "1"))
+              for st, sp, st_ in (x.split(":") for x in os.environ.get(
+                  "PAGEDKV_BENCH_E4M3", "3:0:0,2:0:0,4:4:0,4:0:1,3:0:1").split(",") if x)]
+
+
+@contextlib.contextmanager
+def e4m3_form(form: tuple[int, bool] | None):
+    """The e4m3 MLA kernel's (ring slots, stacked) set to ``form`` (None: as they are) for
+    the block, the kept launch plans dropped before and after (their key holds neither)."""
+    from pagedkv.ops.triton import mla as triton_mla
+    from pagedkv.ops.triton import mla_gluon_e4m3 as e4
+
+    kept = e4.STAGES, e4.STACKED
+    triton_mla._GLUON_PLANS.clear()
+    e4.STAGES, e4.STACKED = form or kept
+    try:
+        yield
+    finally:
+        e4.STAGES, e4.STACKED = kept
+        triton_mla._GLUON_PLANS.clear()
+
+
+@contextlib.contextmanager
+def gqa_fp8_form(stacked: bool):
+    """The Gluon fp8 GQA kernel's ``STACKED`` set for the block, the kept decode plans
+    dropped before and after (their key does not hold it)."""
+    from pagedkv.ops.triton import attention as triton_attention
+    from pagedkv.ops.triton import decode_gluon
+
+    kept = decode_gluon.STACKED
+    triton_attention._PLANS.clear()
+    decode_gluon.STACKED = stacked
+    try:
+        yield
+    finally:
+        decode_gluon.STACKED = kept
+        triton_attention._PLANS.clear()
+
+
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
 
 
@@ -369,6 +415,12 @@ def fp8_gluon_case(batch, ctx, page=16, hq=32, hkv=8, dim=128) -> None:
     for cfg in [dict(gluon=False), dict(gluon=True)] + GLUON_CONFIGS:
         rec(case, config_name(cfg), lambda cfg=cfg: paged_attention(
             q, k8, v8, qsl, lens, table, **f8, **cfg), nb16 // 2, ref)
+    from pagedkv.ops.triton import decode_gluon
+
+    other = not decode_gluon.STACKED  # the kernel's other form (decode_gluon.STACKED)
+    with gqa_fp8_form(other):
+        rec(case, f"gluon=True[stacked={int(other)}]", lambda: paged_attention(
+            q, k8, v8, qsl, lens, table, **f8, gluon=True), nb16 // 2, ref)
     for mode in ("", "[graph]"):
         b16 = times.get((base, "pagedkv_triton" + mode))
         if b16 is None:
@@ -531,11 +583,13 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
             fn = lambda over=over: run(**over)  # noqa: E731
             if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                 record_graphed(case, name, fn, nbytes, flops)
-    if fmt == "fp8" and GLUON[0]:  # the Gluon kernel widening the fp8 tiles (gluon=True)
-        over = {"gluon": True}
-        fn = lambda: run(**over)  # noqa: E731
-        if record(case, config_name(over), fn, nbytes, ref, flops) is not None and graph:
-            record_graphed(case, config_name(over), fn, nbytes, flops)
+    if fmt == "fp8" and GLUON[0]:  # each <= 16-row fp8 Gluon kernel, then the e4m3 sweep
+        for over, form in [({"gluon": v}, None) for v in mla_gluon.FP8_VARIANTS] + E4M3_SWEEP:
+            name = config_name(over) + (f"[stages={form[0]},stacked={int(form[1])}]" if form else "")
+            fn = lambda over=over: run(**over)  # noqa: E731
+            with e4m3_form(form):
+                if record(case, name, fn, nbytes, ref, flops) is not None and graph:
+                    record_graphed(case, name, fn, nbytes, flops)
     if not peers or fmt != "bf16":
         return ref
     try:
@@ -595,7 +649,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
     parser.add_argument("--gluon", action="store_true",
                         help="MLA bf16: also gluon=False (Triton kernels) and each 64-row Gluon "
-                             "variant; MLA fp8: also gluon=True (the widening Gluon kernel)")
+                             "variant; MLA fp8: also each fp8 Gluon kernel (widen, e4m3) and the "
+                             "e4m3 sweep (PAGEDKV_BENCH_E4M3)")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")
@@ -606,6 +661,9 @@ def main(argv=None) -> int:
                         help="GQA: time no peers on the 7-token shapes")
     parser.add_argument("--gqa-shapes", help="GQA: only these bf16 q1 decode shapes, e.g. "
                         "64x1024,256x1024,64x4096x64 (batch x context [x page]), with peers")
+    parser.add_argument("--fp8-peers", action="store_true",
+                        help="only bf16 vs fp8 caches for pagedkv, FlashInfer and FlashMLA on the fp8 "
+                             "target's shapes (benchmarks/fp8_peers.py)")
     parser.add_argument("--fp8-gluon", help="only bf16 vs fp8 Triton vs fp8 Gluon decode rows "
                         "on these shapes, e.g. 64x8192,64x32768 (batch x context [x page])")
     args = parser.parse_args(argv)
@@ -615,6 +673,11 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     GRAPHS[0] = args.graphs
     GLUON[0] = args.gluon
+    fp8_peers = prepared = None
+    if args.fp8_peers:  # inputs, float64 references and compiles before any timing
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import fp8_peers
+        prepared = fp8_peers.prepare(sys.modules[__name__])
     COPY_GBS[0] = copy_bandwidth()
     dev = torch.cuda.get_device_name()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -622,7 +685,10 @@ def main(argv=None) -> int:
     print(f"# device copy {COPY_GBS[0]:.0f} GB/s (read + write)")
     print("%-30s %-34s %9s %8s %7s %6s %7s %8s" % ("case", "kernel", "us", "KV MB", "GB/s", "%copy",
                                                  "TF/s", "relerr"))
-    if args.fp8_gluon:
+    peer_lines: list[str] = []
+    if prepared is not None:
+        peer_lines = fp8_peers.time_rows(prepared)
+    elif args.fp8_gluon:
         for spec in args.fp8_gluon.split(","):
             b, c, *p = (int(x) for x in spec.split("x"))
             fp8_gluon_case(b, c, page=p[0] if p else 16)
@@ -657,7 +723,7 @@ def main(argv=None) -> int:
         gqa_case(64, 8192, 1, True, fp8=True)
         if not args.quick:
             gqa_case(64, 32768, 1, True, fp8=True)
-    if args.only != "gqa" and not args.fp8_gluon:
+    if args.only != "gqa" and not args.fp8_gluon and prepared is None:
         sw = not args.no_mla_sweep
         mla_case(64, 8192, 16, 1, True, family="mla_q1", do_sweep=sw, graph=args.graphs)
         mla_case(64, 8192, 16, 7, False, family="mla_rows", do_sweep=sw, graph=args.graphs)
@@ -679,6 +745,10 @@ def main(argv=None) -> int:
                 fh.write("| %s | %s | %.1f | %.0f | %.0f | %.1f | %.1f | %.1e |\n" % r)
             if GQA_TIMES:
                 fh.write("\n" + "\n".join(gqa_targets()) + "\n")
+            if peer_lines:
+                fh.write("\n" + "\n".join(peer_lines) + "\n")
+    if peer_lines:
+        print("\n".join(peer_lines))
     if GQA_TIMES:
         print("\n".join(gqa_targets()))
     return 0
