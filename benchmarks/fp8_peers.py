@@ -19,11 +19,13 @@ cache for fp8 rows) with the bf16 query, so a call that reads the cache wrong sh
 FlashInfer's kernels are JIT-compiled in parallel (one ninja) while the references are computed:
 on a fresh H200 machine (16 cores, MAX_JOBS=12) that build took 204 s (2026-12-04 13:12-13:15
 UTC) and a 265 s limit ended that run before its first timed row: give a cold call more time.
+``PAGEDKV_FP8_PEERS=mla`` (or ``gqa``) keeps one family's rows and builds only its modules.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import traceback
@@ -39,6 +41,8 @@ GQA_SHAPES = ((64, 8192), (64, 32768))
 MLA_SHAPE = (64, 8192, 16)  # batch, context, heads
 HQ, HKV, DIM, PAGE = 32, 8, 128, 16
 RANK, ROPE, MLA_PAGE = 512, 64, 64
+# which families to run ("gqa", "mla" or both): a cold machine builds only their modules
+FAMILIES = tuple(os.environ.get("PAGEDKV_FP8_PEERS", "gqa,mla").split(","))
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -101,17 +105,38 @@ def _build(done: dict) -> None:
             gen_batch_mla_module,
             gen_batch_prefill_module,
         )
-        specs = [gen_batch_decode_module(BF16, kv, BF16, I32, DIM, DIM, 0, False, False)
-                 for kv in (BF16, E4M3)]
-        specs += [gen_batch_prefill_module("fa2", BF16, kv, BF16, I32, DIM, DIM, 0, False, False, False)
-                  for kv in (BF16, E4M3)]
-        specs += [gen_batch_prefill_module("fa3", qd, qd, BF16, I32, DIM, DIM, 0, False, False, False)
-                  for qd in (BF16, E4M3)]
-        specs += [gen_batch_mla_module("fa3", BF16, kv, BF16, I32, RANK, ROPE, False) for kv in (BF16, E4M3)]
+        specs = []
+        if "gqa" in FAMILIES:
+            specs += [gen_batch_decode_module(BF16, kv, BF16, I32, DIM, DIM, 0, False, False)
+                      for kv in (BF16, E4M3)]
+            specs += [gen_batch_prefill_module("fa2", BF16, kv, BF16, I32, DIM, DIM, 0, False, False,
+                                               False) for kv in (BF16, E4M3)]
+            specs += [gen_batch_prefill_module("fa3", qd, qd, BF16, I32, DIM, DIM, 0, False, False, False)
+                      for qd in (BF16, E4M3)]
+        if "mla" in FAMILIES:
+            specs += [gen_batch_mla_module("fa3", BF16, kv, BF16, I32, RANK, ROPE, False)
+                      for kv in (BF16, E4M3)]
         build_jit_specs(specs)
     except Exception:
         traceback.print_exc()
     done["s"] = time.time() - start
+
+
+def mla_case(batch: int, ctx: int, heads: int) -> dict:
+    """Inputs (bf16 latent and its e4m3 copy, shuffled pages) and float64 references."""
+    pages = batch * ctx // MLA_PAGE
+    table = torch.randperm(pages, device="cuda", dtype=I32).view(batch, -1)
+    latent = torch.randn(pages, MLA_PAGE, RANK + ROPE, device="cuda", dtype=BF16)
+    lat8, ls = quantize(latent)
+    q_lat = torch.randn(batch, heads, RANK, device="cuda", dtype=BF16)
+    q_rope = torch.randn(batch, heads, ROPE, device="cuda", dtype=BF16)
+    scale = 1 / math.sqrt(192)
+    return dict(kind="mla", batch=batch, ctx=ctx, heads=heads, table=table, latent=latent,
+                lat8=lat8, ls=ls, q_lat=q_lat, q_rope=q_rope, scale=scale,
+                qsl=torch.arange(batch + 1, device="cuda", dtype=I32),
+                lens=torch.full((batch,), ctx, device="cuda", dtype=I32),
+                ref=mla_ref64(q_lat, q_rope, latent, table, scale),
+                ref8=mla_ref64(q_lat, q_rope, lat8, table, scale, ls))
 
 
 def prepare(att) -> dict:
@@ -124,7 +149,7 @@ def prepare(att) -> dict:
     if thread is not None:
         thread.start()
     cases = []
-    for batch, ctx in GQA_SHAPES:
+    for batch, ctx in GQA_SHAPES if "gqa" in FAMILIES else ():
         q, k, v, qsl, lens, table = att.gqa_inputs(batch, ctx, 1, PAGE, HQ, HKV, DIM)
         k8, ks = quantize(k)
         v8, vs = quantize(v)
@@ -132,20 +157,8 @@ def prepare(att) -> dict:
                  lens=lens, table=table, ref=gqa_ref64(q, k, v, table),
                  ref8=gqa_ref64(q, k8, v8, table, ks, vs))
         cases.append(g)
-    batch, ctx, heads = MLA_SHAPE
-    pages = batch * ctx // MLA_PAGE
-    table = torch.randperm(pages, device="cuda", dtype=I32).view(batch, -1)
-    latent = torch.randn(pages, MLA_PAGE, RANK + ROPE, device="cuda", dtype=BF16)
-    lat8, ls = quantize(latent)
-    q_lat = torch.randn(batch, heads, RANK, device="cuda", dtype=BF16)
-    q_rope = torch.randn(batch, heads, ROPE, device="cuda", dtype=BF16)
-    scale = 1 / math.sqrt(192)
-    cases.append(dict(kind="mla", batch=batch, ctx=ctx, heads=heads, table=table, latent=latent,
-                      lat8=lat8, ls=ls, q_lat=q_lat, q_rope=q_rope, scale=scale,
-                      qsl=torch.arange(batch + 1, device="cuda", dtype=I32),
-                      lens=torch.full((batch,), ctx, device="cuda", dtype=I32),
-                      ref=mla_ref64(q_lat, q_rope, latent, table, scale),
-                      ref8=mla_ref64(q_lat, q_rope, lat8, table, scale, ls)))
+    for batch, ctx, heads in (MLA_SHAPE,) if "mla" in FAMILIES else ():
+        cases.append(mla_case(batch, ctx, heads))
     torch.cuda.synchronize()
     print(f"# inputs and float64 references: {time.time() - t0:.0f} s after the start", flush=True)
     for c in cases:  # first calls compile pagedkv's kernels
@@ -155,7 +168,7 @@ def prepare(att) -> dict:
     print(f"# pagedkv's first calls: {time.time() - t0:.0f} s after the start", flush=True)
     if thread is not None:
         thread.join()
-        print(f"# FlashInfer JIT build (8 modules, parallel): {built.get('s', float('nan')):.0f} s; "
+        print(f"# FlashInfer JIT build ({FAMILIES}, parallel): {built.get('s', float('nan')):.0f} s; "
               f"{time.time() - t0:.0f} s after the start", flush=True)
     return {"att": att, "fi": fi, "cases": cases}
 
