@@ -154,20 +154,24 @@ def e4m3_form(form: tuple[int, bool] | None):
         triton_mla._GLUON_PLANS.clear()
 
 
+# the Gluon fp8 GQA kernel's forms: (decode_gluon.STACKED, decode_gluon.LEAN_V)
+GQA_FP8_FORMS = ((False, False), (True, False), (True, True))
+
+
 @contextlib.contextmanager
-def gqa_fp8_form(stacked: bool):
-    """The Gluon fp8 GQA kernel's ``STACKED`` set for the block, the kept decode plans
-    dropped before and after (their key does not hold it)."""
+def gqa_fp8_form(stacked: bool, lean_v: bool):
+    """The Gluon fp8 GQA kernel's ``STACKED`` and ``LEAN_V`` set for the block, the kept
+    decode plans dropped before and after (their key holds neither)."""
     from pagedkv.ops.triton import attention as triton_attention
     from pagedkv.ops.triton import decode_gluon
 
-    kept = decode_gluon.STACKED
+    kept = decode_gluon.STACKED, decode_gluon.LEAN_V
     triton_attention._PLANS.clear()
-    decode_gluon.STACKED = stacked
+    decode_gluon.STACKED, decode_gluon.LEAN_V = stacked, lean_v
     try:
         yield
     finally:
-        decode_gluon.STACKED = kept
+        decode_gluon.STACKED, decode_gluon.LEAN_V = kept
         triton_attention._PLANS.clear()
 
 
@@ -417,10 +421,13 @@ def fp8_gluon_case(batch, ctx, page=16, hq=32, hkv=8, dim=128) -> None:
             q, k8, v8, qsl, lens, table, **f8, **cfg), nb16 // 2, ref)
     from pagedkv.ops.triton import decode_gluon
 
-    other = not decode_gluon.STACKED  # the kernel's other form (decode_gluon.STACKED)
-    with gqa_fp8_form(other):
-        rec(case, f"gluon=True[stacked={int(other)}]", lambda: paged_attention(
-            q, k8, v8, qsl, lens, table, **f8, gluon=True), nb16 // 2, ref)
+    for form in GQA_FP8_FORMS:  # the kernel's other forms
+        if form == (decode_gluon.STACKED, decode_gluon.LEAN_V):
+            continue
+        with gqa_fp8_form(*form):
+            rec(case, f"gluon=True[stacked={int(form[0])},lean_v={int(form[1])}]",
+                lambda: paged_attention(q, k8, v8, qsl, lens, table, **f8, gluon=True),
+                nb16 // 2, ref)
     for mode in ("", "[graph]"):
         b16 = times.get((base, "pagedkv_triton" + mode))
         if b16 is None:

@@ -4,7 +4,7 @@ on any machine (no GPU needed): run it before and after a refactor that should n
 what the GPU runs, and compare (the compile is deterministic).
 
 Configurations: the GQA fp8 kernel (``decode_gluon``) at 8 / 16 / 32 (row, head) pairs in
-both forms; the MLA kernels (``mla_gluon``: 64-row serial, ping-pong over half-tile slots,
+both forms (and the stacked one with ``LEAN_V``); the MLA kernels (``mla_gluon``: 64-row serial, ping-pong over half-tile slots,
 the transposed <= 16-row kernel for bf16 and for fp8 widened; ``mla_gluon_e4m3`` in both
 forms).
 
@@ -22,7 +22,8 @@ import decode_gluon_compile  # noqa: E402
 import mla_gluon_compile  # noqa: E402
 from cubin import dump  # noqa: E402
 
-GQA = ((8, "causal", 0), (8, "causal", 1), (32, "draft", 0), (32, "draft", 1), (16, "causal", 1))
+GQA = ((8, "causal", 0, 0), (8, "causal", 1, 0), (32, "draft", 0, 0), (32, "draft", 1, 0),
+       (16, "causal", 1, 0), (8, "causal", 1, 1), (32, "draft", 1, 1))
 MLA = (("causal", "bf16", "rows"), ("causal", "bf16", "pingpong_halves"),
        ("causal", "bf16", "swap"), ("draft", "fp8", "swap"), ("causal", "fp8", "e4m3_stacked"),
        ("draft", "fp8", "e4m3_stacked"), ("causal", "fp8", "e4m3"))
@@ -33,10 +34,11 @@ def sha(kernel) -> str:
 
 
 def main() -> int:
-    for block_m, mask, stacked in GQA:
+    for block_m, mask, stacked, lean_v in GQA:
         kernel = decode_gluon_compile.compile_kernel("e4m3", mask, block_m=block_m,
-                                                     stacked=stacked)
-        print(f"gqa pairs={block_m} {mask} stacked={stacked} {sha(kernel)}", flush=True)
+                                                     stacked=stacked, lean_v=lean_v)
+        print(f"gqa pairs={block_m} {mask} stacked={stacked}" + (" lean_v=1" if lean_v else "")
+              + f" {sha(kernel)}", flush=True)
     for args in MLA:
         print(f"mla {' '.join(args)} {sha(mla_gluon_compile.compile_fwd(*args))}", flush=True)
     return 0

@@ -22,6 +22,8 @@ registers into a K-major buffer.
   product (8 m64n16k32 a tile at q_len 1 instead of 16 m64n8k32: each K tile and V^T read
   once by the tensor cores), the hi + lo column halves added in registers
   (``gluon_common.half_sum``), as ``mla_gluon_e4m3``'s stacked form.
+- ``LEAN_V`` (off: compiled, not yet run on a GPU): V^T as key pairs, zeroing only on a
+  split's last tile or a tile behind a bad block id.
 - Every program writes its split of the (o, m, l) workspace; ``combine`` merges the splits
   (and zeroes padding rows).
 
@@ -50,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from pagedkv.ops.fp8 import is_fp8
 from pagedkv.ops.triton.gluon_common import extents as _extents
 from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
+from pagedkv.ops.triton.mla_gluon_e4m3 import _transpose_pairs
 
 BLOCK_N, BOX, DIM = 64, 16, 128
 # ring slots: 2 (4 programs per SM) beat 3 (3 per SM) by 15% on the H200 (docs/kernels.md)
@@ -62,6 +65,13 @@ P_SPLIT = True
 # by the tensor cores, the hi + lo sums in registers), as mla_gluon_e4m3's stacked form:
 # 346.4 us against 389.2 for two chains at B64 ctx8K p16 (H200, 14:09 UTC); P always split
 STACKED = True
+# V^T as key pairs (``mla_gluon_e4m3._transpose_pairs``: two byte permutes per 4 pairs, whole
+# 16-bit stores) and keys zeroed only on a split's last tile or a tile behind a bad block id
+# (elsewhere every key of the tile is written cache), as the MLA e4m3 kernel does; False: the
+# compiler's byte shuffle with a select per byte on every tile. sm_90 compile: a common tile
+# ~316 SASS instructions against 484, same registers and shared memory (docs/kernels.md,
+# "GQA fp8, lean V^T"). Off until it has run on a GPU
+LEAN_V = False
 # registers per thread of the launch (256 threads: the copy warp is padded to a warpgroup,
 # whose registers mostly go to the compute warpgroup: 104 of them at 64) by the MMA's N:
 # the smallest without spills in the sm_90 compile (64: 4 programs per SM)
@@ -75,6 +85,15 @@ def _key_ok(table_row, keys, s_hi, num_blocks, PAGE: gl.constexpr):
     inside = keys < s_hi
     page = gl.load(table_row + keys // PAGE, mask=inside, other=0)
     return inside & (page >= 0) & (page < num_blocks), page
+
+
+@gluon.jit
+def _masked_vt(v_tile, vt_smem, ok, v_l: gl.constexpr):
+    """V^T of a landed tile through registers (the compiler's byte shuffle), keys not ``ok``
+    (past the split, behind a bad block id) zeroed."""
+    vx = v_tile.load(v_l)
+    vx = gl.where(ok[:, None], vx, gl.zeros_like(vx))
+    vt_smem.store(gl.permute(vx, (1, 0)))
 
 
 @gluon.jit
@@ -105,7 +124,7 @@ def _loader(args, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexp
 def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, CHECK: gl.constexpr,
-             P_SPLIT: gl.constexpr, STACKED: gl.constexpr):
+             P_SPLIT: gl.constexpr, STACKED: gl.constexpr, LEAN_V: gl.constexpr):
     """The warpgroup: queries to e4m3, then per tile S^T = K Q^T (keys on the MMA's M),
     V^T in shared memory, the online softmax, O^T = O^T alpha + V^T P^T (the product in a
     fresh accumulator); writes its workspace split."""
@@ -120,6 +139,13 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
                                                    instr_shape=[16, 2 * BLOCK_M, 32])
     # V tile [keys, dims] -> registers (16 dims of 4 keys per thread) -> V^T in shared memory
     v_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
+    # LEAN_V: 2 keys x 16 dims a thread, the 64 keys across a warp's lanes (_transpose_pairs);
+    # V^T seen as [D, BLOCK_N / 2] int16 key pairs (the same bytes); the tile's 16-key boxes'
+    # block ids held whole by every thread (a reduction without crossing threads)
+    vp_l: gl.constexpr = gl.BlockedLayout([2, 16], [32, 1], [1, 4], [1, 0])
+    vt16_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N, element_bitwidth=16,
+                                                rank=2)
+    box_l: gl.constexpr = gl.BlockedLayout([BLOCK_N // 16], [32], [4], [0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     per_pair: gl.constexpr = gl.SliceLayout(0, t_l)
     per_key: gl.constexpr = gl.SliceLayout(1, t_l)
@@ -162,10 +188,15 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
     kn = gl.arange(0, BLOCK_N, layout=per_key)
     kv = gl.arange(0, BLOCK_N, layout=v_key)
+    if LEAN_V:
+        gl.static_assert(BLOCK_N == 64)  # _transpose_pairs' [64 keys, 128 columns] chunks
+        vt16 = vt_smem._reinterpret(gl.int16, [D, BLOCK_N // 2], vt16_l)
+        boxes = gl.arange(0, BLOCK_N // 16, layout=box_l) * 16
     for it in range(n_tiles):
         stage = it % STAGES
         n0 = s_lo + it * BLOCK_N
-        ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
+        if not LEAN_V:
+            ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
         ok, page = _key_ok(table_row, n0 + kn, s_hi, num_blocks, PAGE)
         if CHECK:
             bad = (n0 + kn < s_hi) & ((page < 0) | (page >= num_blocks))
@@ -179,9 +210,19 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
             s = warpgroup_mma(k_tile, ql_smem.permute((1, 0)), s, is_async=True)
         # while the score MMAs run: V^T of the slot, keys not read zeroed (NaN-filled slots
         # would survive a zero probability)
-        vx = v_ring.index(stage).load(v_l)
-        vx = gl.where(ok_v[:, None], vx, gl.zeros_like(vx))
-        vt_smem.store(gl.permute(vx, (1, 0)))
+        if LEAN_V:
+            # every key of a tile before the split's end behind good block ids is written
+            # cache: zeroing only the split's last tile or one behind a bad id
+            kb = n0 + boxes
+            pg = gl.load(table_row + kb // PAGE, mask=kb < s_hi, other=0)
+            bad = gl.max(((pg < 0) | (pg >= num_blocks)).to(gl.int32), 0)
+            if (n0 + BLOCK_N > s_hi) | (bad != 0):
+                ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
+                _masked_vt(v_ring.index(stage), vt_smem, ok_v, v_l)
+            else:
+                _transpose_pairs(v_ring.index(stage), vt16, vt16, D, D, vp_l)
+        else:
+            _masked_vt(v_ring.index(stage), vt_smem, ok_v, v_l)
         s = warpgroup_mma_wait(0, deps=[s])
         gl.thread_barrier()  # every warp's V read and the scores' K read: release the slot
         mbarrier.arrive(empty.index(stage), count=1)
@@ -253,7 +294,7 @@ def _paged_decode_gluon(
     GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_DRAFT: gl.constexpr, SCALES_IN_MEMORY: gl.constexpr, CHECK: gl.constexpr,
-    P_SPLIT: gl.constexpr, STACKED: gl.constexpr = False,
+    P_SPLIT: gl.constexpr, STACKED: gl.constexpr = False, LEAN_V: gl.constexpr = False,
 ):
     """Program (sequence, KV head, split): this split's keys for the sequence's pairs of
     this KV head; writes split ``split`` of the workspace."""
@@ -314,7 +355,7 @@ def _paged_decode_gluon(
             scale * k_scale * 1.4426950408889634, v_scale, flag_ptr, heads, num_splits, split,
             ws_o, ws_m, ws_l)
     gl.warp_specialize([(_compute, (args, GROUP, PAGE, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                                    HAS_DRAFT, CHECK, P_SPLIT, STACKED)),
+                                    HAS_DRAFT, CHECK, P_SPLIT, STACKED, LEAN_V)),
                         (_loader, (args, PAGE, BLOCK_N, STAGES))],
                        [1], [LOADER_REGS])
 
@@ -387,7 +428,8 @@ class _GluonLaunch:
 
 
 def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query_len, splits, stages,
-              in_memory, check, p_split=None, block_n=None, maxnreg=None, stacked=None):
+              in_memory, check, p_split=None, block_n=None, maxnreg=None, stacked=None,
+              lean_v=None):
     """(grid, scalars, constexprs) of one launch; the caller wraps them in a ``Launch``."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -402,5 +444,6 @@ def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query
                   HAS_DRAFT=mask.draft_block is not None, SCALES_IN_MEMORY=in_memory,
                   CHECK=check, P_SPLIT=P_SPLIT if p_split is None else p_split,
                   STACKED=STACKED if stacked is None else stacked,
+                  LEAN_V=LEAN_V if lean_v is None else lean_v,
                   num_warps=4, maxnreg=maxnreg or MAXNREG[consts_m])
     return grid, scalars, consts
