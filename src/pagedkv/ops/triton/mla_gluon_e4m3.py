@@ -150,6 +150,45 @@ def _transpose_pairs(kv, vt16, vt16_b, R: gl.constexpr, ROWS: gl.constexpr,
 
 
 @gluon.jit
+def _ring_fill(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, block_size,
+               num_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, R: gl.constexpr):
+    """Every ring slot's first copy; returns the block ids of the tiles in the ring (slots
+    past ``STAGES`` repeat the second), which ride along the loop (``_ring_next``), so no
+    table read sits between a tile's arrival and its use."""
+    gl.static_assert((STAGES >= 2) & (STAGES <= 4))
+    pa = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 0, block_size,
+                    num_blocks, BLOCK_N, R)
+    pb = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 1, block_size,
+                    num_blocks, BLOCK_N, R)
+    pc = pb
+    pd = pb
+    if STAGES > 2:
+        pc = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 2,
+                        block_size, num_blocks, BLOCK_N, R)
+    if STAGES > 3:
+        pd = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 3,
+                        block_size, num_blocks, BLOCK_N, R)
+    return pa, pb, pc, pd
+
+
+@gluon.jit
+def _ring_next(pb, pc, pd, page_next, STAGES: gl.constexpr):
+    """The ring's block ids one tile on: the next tile's first, ``page_next`` (the tile the
+    slot just consumed takes next) last."""
+    pa = pb
+    if STAGES == 2:
+        pb = page_next
+    elif STAGES == 3:
+        pb = pc
+        pc = page_next
+    else:
+        pb = pc
+        pc = pd
+        pd = page_next
+    return pa, pb, pc, pd
+
+
+@gluon.jit
 def _mla_gluon_e4m3(
     ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
@@ -211,21 +250,8 @@ def _mla_gluon_e4m3(
     hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
     s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
-    gl.static_assert((STAGES >= 2) & (STAGES <= 4))
-    # the block ids of the tiles in the ring ride along (pa: the next tile's), so no table
-    # read sits between a tile's arrival and its use
-    pa = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 0, block_size,
-                    num_blocks, BLOCK_N, R)
-    pb = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 1, block_size,
-                    num_blocks, BLOCK_N, R)
-    pc = pb
-    pd = pb
-    if STAGES > 2:
-        pc = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 2,
-                        block_size, num_blocks, BLOCK_N, R)
-    if STAGES > 3:
-        pd = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 3,
-                        block_size, num_blocks, BLOCK_N, R)
+    pa, pb, pc, pd = _ring_fill(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles,
+                                block_size, num_blocks, STAGES, BLOCK_N, R)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
     # row sums kept per thread and reduced once at the end: only the maxima cross the warps
@@ -287,16 +313,7 @@ def _mla_gluon_e4m3(
         o = warpgroup_mma_wait(0, deps=[o])
         acc = acc * alpha[None, :] + o
         gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
-        pa = pb
-        if STAGES == 2:
-            pb = page_next
-        elif STAGES == 3:
-            pb = pc
-            pc = page_next
-        else:
-            pb = pc
-            pc = pd
-            pd = page_next
+        pa, pb, pc, pd = _ring_next(pb, pc, pd, page_next, STAGES)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -307,6 +324,41 @@ def _mla_gluon_e4m3(
     co = gl.arange(0, R, layout=per_key)
     gl.store(ws_o + base[None, :] * R + co[:, None], acc * (lscale / 256.0),
              mask=rmask[None, :])
+
+
+@gluon.jit
+def _values_hilo(vt_a, vt_b, p2, o0, acc0, acc1, alpha):
+    """O^T halves += V^T halves x P^T hi and lo (N = 2 x rows), each half in a fresh
+    accumulator summed (hi + lo) into the running one: the first half's sum overlaps the
+    second's MMAs. V^T and P stored and fenced by every warp before this."""
+    o_a = warpgroup_mma(vt_a, p2.permute((1, 0)), o0, use_acc=False, is_async=True)
+    o_b = warpgroup_mma(vt_b, p2.permute((1, 0)), o0, use_acc=False, is_async=True)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, acc0.type.layout))
+    o_a = warpgroup_mma_wait(1, deps=[o_a])
+    acc0 = acc0 * alpha_o[None, :] + _half_sum(o_a)
+    o_b = warpgroup_mma_wait(0, deps=[o_b])
+    acc1 = acc1 * alpha_o[None, :] + _half_sum(o_b)
+    return acc0, acc1
+
+
+@gluon.jit
+def _store_halves(ws_o, ws_m, ws_l, m_r, m_i, l_acc, acc0, acc1, tile, q_start, q_len, heads,
+                  num_splits, split, lscale, BLOCK_M: gl.constexpr, R: gl.constexpr):
+    """This split's workspace rows: maxima, row sums and the output halves (each thread
+    the dims its accumulators hold), the factor 256 of P and ``lscale`` undone."""
+    H: gl.constexpr = R // 2
+    o_l: gl.constexpr = acc0.type.layout
+    base = _ws_rows(m_r, q_start, heads, num_splits, split)
+    rmask = m_r // heads < q_len
+    gl.store(ws_m + base, m_i, mask=rmask)
+    gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
+    m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
+    base_o = _ws_rows(m_o, q_start, heads, num_splits, split)
+    omask = (m_o // heads < q_len)[None, :]
+    co = gl.arange(0, H, layout=gl.SliceLayout(1, o_l))
+    gl.store(ws_o + base_o[None, :] * R + co[:, None], acc0 * (lscale / 256.0), mask=omask)
+    gl.store(ws_o + base_o[None, :] * R + (co + H)[:, None], acc1 * (lscale / 256.0),
+             mask=omask)
 
 
 @gluon.jit
@@ -354,8 +406,6 @@ def _mla_gluon_e4m3_stacked(
     kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
     vt_smem = gl.allocate_shared_memory(
         e4, [2, H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], e4))
-    vt16_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N,
-                                                  element_bitwidth=16, rank=2)
     p2_smem = gl.allocate_shared_memory(
         e4, [1, N2, BLOCK_N], gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4))
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -391,26 +441,16 @@ def _mla_gluon_e4m3_stacked(
     # the output halves [R / 2, rows] in the layout of the hi + lo sums
     acc0 = _half_sum(o0)
     acc1 = acc0
-    o_l: gl.constexpr = acc0.type.layout
+    vt16_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N,
+                                                  element_bitwidth=16, rank=2)
     row_scale = gl.convert_layout(sq, per_row) * (scale * lscale * 1.4426950408889634)
 
     m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
     hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
     s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
     table_row = table_ptr + b.to(gl.int64) * stride_tb
-    gl.static_assert((STAGES >= 2) & (STAGES <= 4))
-    pa = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 0, block_size,
-                    num_blocks, BLOCK_N, R)
-    pb = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 1, block_size,
-                    num_blocks, BLOCK_N, R)
-    pc = pb
-    pd = pb
-    if STAGES > 2:
-        pc = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 2,
-                        block_size, num_blocks, BLOCK_N, R)
-    if STAGES > 3:
-        pd = _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, 3,
-                        block_size, num_blocks, BLOCK_N, R)
+    pa, pb, pc, pd = _ring_fill(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles,
+                                block_size, num_blocks, STAGES, BLOCK_N, R)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
     kn = gl.arange(0, BLOCK_N, layout=per_key)
@@ -462,35 +502,12 @@ def _mla_gluon_e4m3_stacked(
         p2.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(p8l, (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # V^T and P stored by every warp
-        o_a = warpgroup_mma(vt_a, p2.permute((1, 0)), o0, use_acc=False, is_async=True)
-        o_b = warpgroup_mma(vt_b, p2.permute((1, 0)), o0, use_acc=False, is_async=True)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))
-        o_a = warpgroup_mma_wait(1, deps=[o_a])
-        acc0 = acc0 * alpha_o[None, :] + _half_sum(o_a)
-        o_b = warpgroup_mma_wait(0, deps=[o_b])
-        acc1 = acc1 * alpha_o[None, :] + _half_sum(o_b)
+        acc0, acc1 = _values_hilo(vt_a, vt_b, p2, o0, acc0, acc1, alpha)
         gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
-        pa = pb
-        if STAGES == 2:
-            pb = page_next
-        elif STAGES == 3:
-            pb = pc
-            pc = page_next
-        else:
-            pb = pc
-            pc = pd
-            pd = page_next
+        pa, pb, pc, pd = _ring_next(pb, pc, pd, page_next, STAGES)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    base = _ws_rows(m_r, q_start, heads, num_splits, split)
-    rmask = m_r // heads < q_len
-    gl.store(ws_m + base, m_i, mask=rmask)
-    gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
-    m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
-    base_o = _ws_rows(m_o, q_start, heads, num_splits, split)
-    omask = (m_o // heads < q_len)[None, :]
-    co = gl.arange(0, H, layout=gl.SliceLayout(1, o_l))
-    gl.store(ws_o + base_o[None, :] * R + co[:, None], acc0 * (lscale / 256.0), mask=omask)
-    gl.store(ws_o + base_o[None, :] * R + (co + H)[:, None], acc1 * (lscale / 256.0),
-             mask=omask)
+    _store_halves(ws_o, ws_m, ws_l, m_r, m_i, l_acc, acc0, acc1, tile, q_start, q_len, heads,
+                  num_splits, split, lscale, BLOCK_M, R)
+
