@@ -658,6 +658,8 @@ def _mla_gluon_e4m3_2wg(
                                          gl.NVMMASharedLayout.get_default_for([N2, P], e4))
     kv_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, R], kd.layout)
     kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
+    # the V^T halves as two allocations: Triton's barrier pass then sees their stores as
+    # disjoint (between stores into one allocation it puts a CTA-wide barrier)
     vt_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], e4)
     vta_smem = gl.allocate_shared_memory(e4, [1, H, BLOCK_N], vt_lay)
     vtb_smem = gl.allocate_shared_memory(e4, [1, H, BLOCK_N], vt_lay)
@@ -700,7 +702,9 @@ def _mla_gluon_e4m3_2wg(
         page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
                             other=0)
         bad = _flag_bad(page, num_blocks, flag_ptr)
-        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)  # every thread of both
+        # all 256 threads wait; the one arrival (the expect in ``_issue``) and the TMA's
+        # bytes complete the phase
+        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
         kv = kv_smem.index(stage)
         s2 = warpgroup_mma(kv, q2_smem.index(wi).permute((1, 0)), s0, use_acc=False,
                            is_async=True)
