@@ -44,8 +44,9 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
     const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
                  BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
                  HAS_DRAFT=mask == "draft")
-    if e4m3:
+    if e4m3:  # constexprs as plan passes them (one left out would compile as an i32 argument)
         const["STAGES"] = int(stages) if stages else mla_gluon_e4m3.STAGES
+        const["PAIRS"] = mla_gluon_e4m3.PAIRS
     elif swap:
         const["WIDEN"] = fp8
     q = "*fp16" if dtype == "fp16" else "*bf16"
