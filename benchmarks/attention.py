@@ -131,26 +131,35 @@ GLUON_VARIANTS = [{"gluon": False}] + [
 # mla_h128, mla_ds, mla_fp8; default all)
 MLA_FAMILIES = [f for f in os.environ.get("PAGEDKV_BENCH_MLA_FAMILIES", "").split(",") if f]
 # --gluon, MLA fp8: after each kernel of mla_gluon.FP8_VARIANTS, the e4m3 kernel in other
-# forms (PAGEDKV_BENCH_E4M3: a comma list of stages:splits:stacked, splits 0 = the default)
-E4M3_SWEEP = [({"gluon": "e4m3", **({"splits": int(sp)} if int(sp) else {})}, (int(st), st_ == "1"))
-              for st, sp, st_ in (x.split(":") for x in os.environ.get(
-                  "PAGEDKV_BENCH_E4M3", "3:0:0,2:0:0,4:4:0,4:0:1,3:0:1").split(",") if x)]
+# forms (PAGEDKV_BENCH_E4M3: a comma list of stages:splits:stacked[:warpgroups], splits 0 =
+# the default, warpgroups 1 when left out; 2 = the two-warpgroup kernel, stacked not read)
+
+
+def _e4m3_form(spec: str) -> tuple[dict, tuple[int, bool, int]]:
+    st, sp, stacked, *wg = spec.split(":")
+    return ({"gluon": "e4m3", **({"splits": int(sp)} if int(sp) else {})},
+            (int(st), stacked == "1", int(wg[0]) if wg else 1))
+
+
+E4M3_SWEEP = [_e4m3_form(x) for x in os.environ.get(
+    "PAGEDKV_BENCH_E4M3", "3:0:0,2:0:0,4:4:0,4:0:1,3:0:1").split(",") if x]
 
 
 @contextlib.contextmanager
-def e4m3_form(form: tuple[int, bool] | None):
-    """The e4m3 MLA kernel's (ring slots, stacked) set to ``form`` (None: as they are) for
-    the block, the kept launch plans dropped before and after (their key holds neither)."""
+def e4m3_form(form: tuple[int, bool, int] | None):
+    """The e4m3 MLA kernel's (ring slots, stacked, warpgroups) set to ``form`` (None: as
+    they are) for the block, the kept launch plans dropped before and after (their key
+    holds none of them)."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_e4m3 as e4
 
-    kept = e4.STAGES, e4.STACKED
+    kept = e4.STAGES, e4.STACKED, e4.WARPGROUPS
     triton_mla._GLUON_PLANS.clear()
-    e4.STAGES, e4.STACKED = form or kept
+    e4.STAGES, e4.STACKED, e4.WARPGROUPS = form or kept
     try:
         yield
     finally:
-        e4.STAGES, e4.STACKED = kept
+        e4.STAGES, e4.STACKED, e4.WARPGROUPS = kept
         triton_mla._GLUON_PLANS.clear()
 
 
@@ -592,7 +601,9 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
                 record_graphed(case, name, fn, nbytes, flops)
     if fmt == "fp8" and GLUON[0]:  # each <= 16-row fp8 Gluon kernel, then the e4m3 sweep
         for over, form in [({"gluon": v}, None) for v in mla_gluon.FP8_VARIANTS] + E4M3_SWEEP:
-            name = config_name(over) + (f"[stages={form[0]},stacked={int(form[1])}]" if form else "")
+            name = config_name(over) + (f"[stages={form[0]},stacked={int(form[1])}"
+                                        f"{',warpgroups=2' if form[2] == 2 else ''}]"
+                                        if form else "")
             fn = lambda over=over: run(**over)  # noqa: E731
             with e4m3_form(form):
                 if record(case, name, fn, nbytes, ref, flops) is not None and graph:

@@ -4,17 +4,25 @@ on any machine (no GPU needed): run it before and after a refactor that should n
 what the GPU runs, and compare (the compile is deterministic).
 
 Configurations: the GQA fp8 kernel (``decode_gluon``) at 8 / 16 / 32 (row, head) pairs in
-both forms (and the stacked one with ``LEAN_V``); the MLA kernels (``mla_gluon``: 64-row serial, ping-pong over half-tile slots,
-the transposed <= 16-row kernel for bf16 and for fp8 widened; ``mla_gluon_e4m3`` in both
-forms).
+both forms (and the stacked one with ``LEAN_V``); the MLA kernels (``mla_gluon``: 64-row
+serial, ping-pong over half-tile slots, the transposed <= 16-row kernel for bf16 and for fp8
+widened; ``mla_gluon_e4m3`` in its three forms).
 
-Usage: PYTHONPATH=src python benchmarks/gluon_sass_hashes.py (run without TRITON_INTERPRET).
+The SASS is not a function of the PTX's code alone: ptxas also reads the line info (moving
+a block into a helper, or lines above a kernel, can change the SASS with the same PTX
+code), and on a loaded machine some configurations compile to other SASS from run to run
+(seen on this repo's 2-core CPU box while other jobs ran). So compare on an idle machine,
+and with ``--ptx`` compare the PTX without its debug info, which is deterministic.
+
+Usage: PYTHONPATH=src python benchmarks/gluon_sass_hashes.py [--ptx] (run without
+TRITON_INTERPRET).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -26,21 +34,32 @@ GQA = ((8, "causal", 0, 0), (8, "causal", 1, 0), (32, "draft", 0, 0), (32, "draf
        (16, "causal", 1, 0), (8, "causal", 1, 1), (32, "draft", 1, 1))
 MLA = (("causal", "bf16", "rows"), ("causal", "bf16", "pingpong_halves"),
        ("causal", "bf16", "swap"), ("draft", "fp8", "swap"), ("causal", "fp8", "e4m3_stacked"),
-       ("draft", "fp8", "e4m3_stacked"), ("causal", "fp8", "e4m3"))
+       ("draft", "fp8", "e4m3_stacked"), ("causal", "fp8", "e4m3"),
+       ("causal", "fp8", "e4m3_2wg"))
 
 
-def sha(kernel) -> str:
-    return hashlib.sha1(dump(kernel)[1].encode()).hexdigest()[:12]
+def ptx_code(ptx: str) -> str:
+    """The PTX without its debug info (line info, file table, debug labels and sections)."""
+    code = re.split(r"^\s*\.section", ptx, maxsplit=1, flags=re.M)[0]
+    return "\n".join(x for x in code.splitlines()
+                     if not re.match(r"\s*(\.loc|\.file|\$L__tmp|\$L__func|//)", x))
+
+
+def sha(kernel, ptx: bool = False) -> str:
+    text = ptx_code(kernel.asm["ptx"]) if ptx else dump(kernel)[1]
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def main() -> int:
+    ptx = "--ptx" in sys.argv[1:]
     for block_m, mask, stacked, lean_v in GQA:
         kernel = decode_gluon_compile.compile_kernel("e4m3", mask, block_m=block_m,
                                                      stacked=stacked, lean_v=lean_v)
         print(f"gqa pairs={block_m} {mask} stacked={stacked}" + (" lean_v=1" if lean_v else "")
-              + f" {sha(kernel)}", flush=True)
+              + f" {sha(kernel, ptx)}", flush=True)
     for args in MLA:
-        print(f"mla {' '.join(args)} {sha(mla_gluon_compile.compile_fwd(*args))}", flush=True)
+        print(f"mla {' '.join(args)} {sha(mla_gluon_compile.compile_fwd(*args), ptx)}",
+              flush=True)
     return 0
 
 

@@ -517,9 +517,7 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     if e4m3:
         from pagedkv.ops.triton import mla_gluon_e4m3
 
-        fn = mla_gluon_e4m3._mla_gluon_e4m3_stacked if mla_gluon_e4m3.STACKED \
-            else mla_gluon_e4m3._mla_gluon_e4m3
-        consts["num_warps"] = 4
+        fn, consts["num_warps"] = mla_gluon_e4m3.form()
         consts["STAGES"], consts["PAIRS"] = mla_gluon_e4m3.STAGES, mla_gluon_e4m3.PAIRS
         scalars = (float(latent_scale),)
     elif swap:
