@@ -378,8 +378,9 @@ def _run(case, mask, scale, **kw):
 
 
 def _check(got, case, q_lens, seq_lens, mask, scale, splits=None):
-    """Per request: float64 over the unpacked cache (the fp8 bar) and the emulation (its
-    arithmetic: closer; the MMAs' accumulation and exp2 are not emulated)."""
+    """Per request: float64 over the unpacked cache (the fp8 bar; relative error < 3e-3,
+    the emulation's worst is 1.4e-3) and, given the splits, the emulation (its arithmetic:
+    closer; the MMAs' accumulation and exp2 are not emulated)."""
     _, _, per_request, q_lat, q_rope, *_ = case
     assert not bool(got.isnan().any())
     start = 0
@@ -387,11 +388,11 @@ def _check(got, case, q_lens, seq_lens, mask, scale, splits=None):
         rows = slice(start, start + q_len)
         want = float64_over_unpacked(q_lat[rows], q_rope[rows], per_request[b], seq_len, mask,
                                      scale)
-        torch.testing.assert_close(got[rows], want, **FP8_BAR)
+        assert_fp8_close(got[rows], want, rel=3e-3)
         if splits is not None:
             emu = emulate_ds_kernel(q_lat[rows], q_rope[rows], per_request[b], seq_len, mask,
                                     scale, splits).double()
-            torch.testing.assert_close(got[rows], emu, rtol=2e-3, atol=2e-3)
+            assert_fp8_close(got[rows], emu, rel=1e-3, bar=2e-3)
         start += q_len
 
 
@@ -419,7 +420,7 @@ def test_ds_kernel_matches_float64_triton_and_emulation(monkeypatch, heads, q_le
     got = _run(case, mask, sm, gluon=True, splits=splits)
     _check(got, case, q_lens, seq_lens, mask, sm, splits)
     tri = _run(case, mask, sm, gluon=False, splits=splits)
-    torch.testing.assert_close(got, tri, **FP8_BAR)
+    assert_fp8_close(got, tri, rel=1e-2)
 
 
 def test_ds_kernel_keys_of_far_apart_scales(monkeypatch):
@@ -455,11 +456,15 @@ def test_ds_kernel_is_the_default_when_on_and_keeps_its_plan(monkeypatch):
     real_plan = ds_mod.plan
     monkeypatch.setattr(ds_mod, "plan", lambda *a, **k: made.append(1) or real_plan(*a, **k))
     seq_lens, sm = [900, 2113, 65], 0.07
-    for seed in (1, 2, 3):
-        case = _ds_case(seq_lens, [1] * 3, 16, 64, torch.bfloat16, seed=seed)
+    case = _ds_case(seq_lens, [1] * 3, 16, 64, torch.bfloat16, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):  # fresh queries, same cache: one plan
+        q_lat = (torch.randn(3, 16, RANK, generator=gen) / 8).bfloat16()
+        q_rope = (torch.randn(3, 16, ROPE, generator=gen) / 8).bfloat16()
+        case = (*case[:3], q_lat, q_rope, *case[5:])
         got = _run(case, Mask(), sm, max_query_len=1, max_seq_len=max(seq_lens))
         _check(got, case, [1] * 3, seq_lens, Mask(), sm)
-    assert len(made) == 3  # a new cache each time: a plan each (the key holds its address)
+    assert len(made) == 1
 
 
 def test_ds_kernel_flags_a_block_id_outside_the_cache(monkeypatch):
