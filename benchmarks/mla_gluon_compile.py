@@ -5,11 +5,13 @@ local-memory accesses inside the key loop (SASS), and the count of each wgmma / 
 instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full]
-[bf16|fp16|fp8] [rows|pingpong_halves|swap|e4m3|e4m3_stacked|e4m3_2wg] [stages] (fp8: an
+[bf16|fp16|fp8] [rows|pingpong_halves|swap|e4m3|e4m3_stacked|e4m3_2wg|ds] [stages] (fp8: an
 e4m3 cache, bf16 queries; swap and e4m3 only) (the serial 64-row kernel; the warp-specialized
 ping-pong kernel over half-tile slots; the transposed <= 16-row kernel; the <= 16-row kernel
 with both products on e4m3, ``mla_gluon_e4m3``: two chains, stacked, stacked on two
-warpgroups (8 warps), whose ring slots ``stages`` sets, default its ``STAGES``)
+warpgroups (8 warps), whose ring slots ``stages`` sets, default its ``STAGES``; ``ds``: the
+fp8_ds_mla kernel, ``mla_gluon_ds``, on bf16 or fp16 queries (the dtype argument), its ring
+slots ``stages``, default its ``STAGES``)
 (run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
 """
 
@@ -25,11 +27,13 @@ import triton
 from cubin import dump, gluon_source, resources, sass_lines
 from triton.backends.compiler import GPUTarget
 
-from pagedkv.ops.triton import mla_gluon, mla_gluon_e4m3, mla_gluon_pph
+from pagedkv.ops.triton import mla_gluon, mla_gluon_ds, mla_gluon_e4m3, mla_gluon_pph
 
 
 def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
                 stages: str | None = None):
+    if kernel == "ds":
+        return compile_ds(mask, dtype, stages)
     e4m3 = kernel in ("e4m3", "e4m3_stacked", "e4m3_2wg")
     swap = kernel == "swap" or e4m3
     halves = kernel == "pingpong_halves"
@@ -57,6 +61,20 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
     if halves:
         options["maxnreg"] = mla_gluon_pph.PPH_MAXNREG
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_ds(mask: str = "causal", dtype: str = "bf16", stages: str | None = None):
+    """The fp8_ds_mla kernel over a uint8 cache of 656-byte entries, bf16 or fp16 queries."""
+    descs = mla_gluon_ds.descriptors(torch.empty(4, 64, mla_gluon_ds.ENTRY, dtype=torch.uint8))
+    const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=mla_gluon.SWAP_ROWS,
+                 BLOCK_N=mla_gluon.BLOCK_N, CAUSAL=mask == "causal", HAS_DRAFT=mask == "draft",
+                 STAGES=int(stages) if stages else mla_gluon_ds.STAGES, PAIRS=mla_gluon_ds.PAIRS)
+    q = "*fp16" if dtype == "fp16" else "*bf16"
+    ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
+            "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
+    src = gluon_source(mla_gluon_ds._mla_gluon_ds, const, ptrs, dict(zip(("kd", "rd", "sd"), descs)),
+                       ("scale",))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
 def loop_spills(sass: str) -> int:

@@ -446,8 +446,8 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     per request on blocks of multiples of 64, where ``gluon`` (per-tensor e4m3 with a float
     scale: ``mla_gluon.FP8_DEFAULT``, the Gluon kernel with both products on e4m3 MMAs, 1.79x
     the one widening fp8 tiles in shared memory, itself 1.20x the pointer kernel;
-    ``mla_gluon.supported`` sends the rest, e.g. fp8_ds_mla, back to the pointer kernel with
-    this config). ``waves``: programs
+    ``mla_gluon.supported`` sends the rest back to the pointer kernel with this config, e.g.
+    fp8_ds_mla while ``mla_gluon_ds.ENABLED`` is off). ``waves``: programs
     per multiprocessor that the KV splits aim at (rounded down: a second partial wave cost
     more than it gained in the sweeps)."""
     if interpreting():
@@ -525,7 +525,18 @@ def _gluon_key(q_latent, q_rope, cache, query_start_loc, seq_lens, block_table, 
         block_table.dtype, block_table.device, scale, mask,
         latent_scale if not isinstance(latent_scale, torch.Tensor) else "tensor",
         max_query_len, min(64, -(-max_seq_len // 256)), splits, gluon, variant, interpreting(),
+        _ds_settings(cache),
     )
+
+
+def _ds_settings(cache) -> tuple | None:
+    """fp8_ds_mla: the Gluon kernel's switch and form (``mla_gluon_ds``), which a kept plan
+    must follow."""
+    if cache.dtype != torch.uint8:
+        return None
+    from pagedkv.ops.triton import mla_gluon_ds
+
+    return mla_gluon_ds.ENABLED, mla_gluon_ds.STAGES, mla_gluon_ds.PAIRS
 
 
 def _run_gluon(plan, q_latent, q_rope, cache, query_start_loc, seq_lens, block_table,

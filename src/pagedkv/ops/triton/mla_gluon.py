@@ -434,6 +434,10 @@ def descriptors(cache: torch.Tensor, latent_box: int = RANK):
 def supported(q_latent, q_rope, cache, mask, latent_scale, rows: int = 1) -> str | None:
     """Why the Gluon kernel cannot take this call (None: it can); ``rows``: query rows per
     request (q_len x heads). Device checks last."""
+    if cache.dtype == torch.uint8:  # fp8_ds_mla: its own kernel, behind a switch
+        from pagedkv.ops.triton import mla_gluon_ds
+
+        return mla_gluon_ds.supported(q_latent, q_rope, cache, mask, rows)
     fp8 = cache.dtype == torch.float8_e4m3fn
     if fp8:
         if rows > SWAP_ROWS:
@@ -503,6 +507,11 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
          latent_scale: float | None = None) -> Plan:
     """Grid (batch x tiles, splits), each program writing its split of a workspace of
     ``splits`` splits that the combine merges into ``out``. Tensor values are not read."""
+    if cache.dtype == torch.uint8:  # fp8_ds_mla (``mla_gluon_ds``)
+        from pagedkv.ops.triton import mla_gluon_ds
+
+        return mla_gluon_ds.plan(ql, qr, cache, query_start_loc, seq_lens, table, out,
+                                 scale=scale, mask=mask, tiles=tiles, splits=splits)
     swap = block_m == SWAP_ROWS
     widen = cache.dtype == torch.float8_e4m3fn
     e4m3 = swap and widen and (variant if variant in FP8_VARIANTS else FP8_DEFAULT) == "e4m3"

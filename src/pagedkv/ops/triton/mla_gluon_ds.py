@@ -1,0 +1,442 @@
+"""Absorbed MLA decode over an fp8_ds_mla cache in Gluon (Hopper sm_90): the per-tensor e4m3
+kernel (``mla_gluon_e4m3._mla_gluon_e4m3_stacked``) extended to per-128-column fp32 scales
+and a bf16 rope. **Compiled for sm_90 on a CPU only; it has never run on a GPU**, so it is
+off by default (``ENABLED``).
+
+Why: fp8_ds_mla (DeepSeek / Kimi) is served by the Triton pointer kernel, ~0.54x the bf16
+kernel's throughput on the H200 (docs/kernels.md); the per-tensor e4m3 Gluon kernel shows
+that both products on 8-bit tensor cores can beat bf16.
+
+The cache's 656-byte entries ``[512 e4m3 | 4 fp32 scales | 64 bf16 rope]`` (``ops/fp8.py``)
+arrive by TMA as three boxes per 64-key tile, all on one mbarrier: the latent as a [64, 512]
+e4m3 box of the bytes seen as [slots, 656], the rope as a [64, 64] bf16 box at column 264 of
+the bytes seen as bf16 [slots, 328], the scales as a [64, 4] fp32 box at column 128 of
+[slots, 164] (16-byte rows, the TMA minimum; 656 = 41 x 16, so every view's row stride is
+16-byte aligned). Per tile, with g the 4 groups of 128 latent columns and s_g(key) its scale:
+
+- Scores S = sum_g s_g (K8_g . Q_g) + K_rope . Q_rope: one e4m3 MMA chain per group (the
+  queries as e4m3 hi + lo rows stacked as N = 32, one scale per row: amax / 448 over the
+  512 latent columns) into its own accumulator, scaled per key in registers; the rope as a
+  bf16 MMA on bf16 queries (the cache keeps rope in bf16, so no hi/lo is needed).
+- Values O_g^T = V_g^T (P s_g)^T: the latent transposed through registers into four
+  [128, 64] K-major buffers (``mla_gluon_e4m3._transpose_pairs`` / ``_transpose_latent``);
+  P x 256 scaled per key by s_g / max_g (max_g: the tile's largest scale of group g, so the
+  operand stays within e4m3's range and keeps its largest values normal), split into e4m3
+  hi + lo, one MMA per group; each product (a fresh accumulator) is multiplied back by
+  max_g when added to the running output. Row sums add the unscaled P in fp32.
+- Keys past the sequence or behind a bad block id: scores masked to -inf, their latent
+  bytes zeroed in the transpose, and their scales *selected* to 0 (unwritten slots hold NaN
+  scales too; 0 x NaN would leak).
+
+Scope: fp8_ds_mla with R = 512, P = 64, bf16/fp16 queries (the rope query rounded to bf16),
+<= 16 (query row, head) rows per request, blocks of multiples of 64, causal / non-causal /
+draft-block masks; ``supported`` says why not. Grid, splits, workspace and combine are
+``mla_gluon``'s. To use it: ``mla_gluon_ds.ENABLED = True`` (then ``paged_mla_latent`` takes
+it by default for such calls, or with ``gluon=True``); docs/kernels.md "MLA fp8_ds_mla in
+Gluon (CPU compile only)" gives the H200 commands that validate and time it.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from pagedkv.ops.fp8 import DS_MLA_GROUP, ds_mla_entry_bytes
+from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
+from pagedkv.ops.triton.mla_gluon import (
+    BLOCK_N,
+    RANK,
+    ROPE,
+    SWAP_ROWS,
+    _extents,
+    _flag_bad,
+    _split_tiles,
+    _ws_rows,
+)
+from pagedkv.ops.triton.mla_gluon_e4m3 import _transpose_latent, _transpose_pairs
+
+# off until the GPU tests (tests/ops/test_ops_mla_gluon_ds.py) have passed on an H200
+ENABLED = False
+# ring slots: a 64-key tile is 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); with the
+# queries (18 KB), the transposed latent (32 KB) and P (8 KB) 4 slots fit in 227 KB
+STAGES = 4
+# the latent transposed as key pairs (``_transpose_pairs``); False: ``_transpose_latent``
+PAIRS = True
+ENTRY = ds_mla_entry_bytes(RANK, ROPE)  # 656 bytes
+GROUPS = RANK // DS_MLA_GROUP  # 4 scales per key
+_ROPE_COL = gl.constexpr((RANK + 4 * GROUPS) // 2)  # bf16 column of the rope (byte 528)
+_SCALE_COL = gl.constexpr(RANK // 4)  # fp32 column of the first scale (byte 512)
+
+
+@gluon.jit
+def _issue_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, page, n0, stage, block_size,
+              num_blocks, pred):
+    """TMA copies of the 64-key tile at key n0 (block ``page``): latent, rope and scales
+    into ring slot ``stage``, one barrier."""
+    page = gl.where((page < 0) | (page >= num_blocks), 0, page)  # flagged at compute time
+    slot = page * block_size + n0 % block_size
+    bar = bars.index(stage)
+    mbarrier.expect(bar, kd.block_type.nbytes + rd.block_type.nbytes + sd.block_type.nbytes,
+                    pred=pred)
+    tma.async_copy_global_to_shared(kd, [slot, 0], bar, kv_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(rd, [slot, _ROPE_COL], bar, kr_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(sd, [slot, _SCALE_COL], bar, ks_smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo, n_tiles,
+                  i: gl.constexpr, block_size, num_blocks, BLOCK_N: gl.constexpr):
+    """Ring slot i's first copy (tile i of the split, if any); returns its block id."""
+    page = gl.load(table_row + (s_lo + i * BLOCK_N) // block_size, mask=n_tiles > i, other=0)
+    _issue_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, page, s_lo + i * BLOCK_N, i,
+              block_size, num_blocks, n_tiles > i)
+    return page
+
+
+@gluon.jit
+def _group(x, sel, g: gl.constexpr, layout: gl.constexpr):
+    """Column g of the per-thread [keys, 4] scales as a per-key vector in ``layout``."""
+    return gl.convert_layout(gl.sum(gl.where(sel[None, :] == g, x, 0.0), 1), layout)
+
+
+@gluon.jit
+def _pick(v, sel, g: gl.constexpr):
+    """Element g of a 4-vector held whole by every thread, as a scalar."""
+    return gl.sum(gl.where(sel == g, v, 0.0), 0)
+
+
+@gluon.jit
+def _transpose_group(kv, vt, g: gl.constexpr, keep, MASK: gl.constexpr, PAIRS: gl.constexpr,
+                     v_l: gl.constexpr):
+    """Latent columns [128 g, 128 g + 128) of a landed tile -> ``vt`` [128, 64] (V_g^T,
+    K-major), keys not ``keep`` zeroed with ``MASK``; by key pairs with ``PAIRS``."""
+    src = kv.slice(g * 128, 128, dim=1)
+    if MASK or not PAIRS:
+        _transpose_latent(src, vt, vt, keep, MASK, 128, 128, v_l)
+    else:
+        vt16 = vt._reinterpret(gl.int16, [128, vt.shape[1] // 2], gl.NVMMASharedLayout(
+            swizzle_byte_width=vt.shape[1], element_bitwidth=16, rank=2))
+        _transpose_pairs(src, vt16, vt16, 128, 128, v_l)
+
+
+@gluon.jit
+def _store_p(p, f, dst, BLOCK_M: gl.constexpr):
+    """P x f (f: per key) as e4m3 hi (rows [0, BLOCK_M) of ``dst``) + lo (the next rows)."""
+    e4: gl.constexpr = gl.float8e4nv
+    pg = p * f[:, None]
+    p8 = pg.to(e4)
+    dst.slice(0, BLOCK_M, dim=0).store(gl.permute(p8, (1, 0)))
+    dst.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute((pg - p8.to(gl.float32)).to(e4), (1, 0)))
+
+
+@gluon.jit
+def _mla_gluon_ds(
+    ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd, sd,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
+    num_blocks, block_size, heads, scale, draft, tiles, num_splits,
+    R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+    PAIRS: gl.constexpr = True,
+):
+    """Program (request x row tile, split): this split's keys for <= 16 rows of an
+    fp8_ds_mla cache; writes split ``split`` of the workspace."""
+    gl.static_assert(gl.num_warps() == 4)
+    gl.static_assert((R == 512) & (BLOCK_N == 64) & (STAGES >= 2) & (STAGES <= 4))
+    e4: gl.constexpr = gl.float8e4nv
+    GW: gl.constexpr = 128  # latent columns per scale
+    N2: gl.constexpr = 2 * BLOCK_M  # hi and lo rows side by side
+    t2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, N2, 32])
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 32])
+    tr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, BLOCK_M, 16])
+    per_row: gl.constexpr = gl.SliceLayout(0, t_l)
+    per_key: gl.constexpr = gl.SliceLayout(1, t_l)
+    # the [64 keys, 4] scales with each thread holding the 4 of the keys it owns in t_l
+    # (keys 16w + l/4 and + 8): one 16-byte shared load a key, per-key vectors for free
+    sc_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    v_l: gl.constexpr = gl.BlockedLayout([2, 16], [32, 1], [1, 4], [1, 0])
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid // tiles
+    tile = pid % tiles
+    q_start = gl.load(qsl_ptr + b)
+    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len * heads:
+        return
+    seq_len = gl.load(lens_ptr + b)
+
+    # [n, rows, cols] buffers indexed by a value the compiler cannot fold (``wi``), so that
+    # ptxas keeps the wgmma descriptors in the key loop instead of hoisting them
+    q2_smem = gl.allocate_shared_memory(e4, [1, N2, R],
+                                        gl.NVMMASharedLayout.get_default_for([N2, R], e4))
+    qr_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, BLOCK_M, P],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, P], gl.bfloat16))
+    kv_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, R], kd.layout)
+    kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
+    ks_smem = gl.allocate_shared_memory(sd.dtype, [STAGES, BLOCK_N, 4], sd.layout)
+    # per group: V_g^T [128, 64] and P_g hi + lo [32, 64], each its own allocation (stores
+    # to one allocation's parts get a barrier between them: the compiler's hazard analysis
+    # does not tell them apart)
+    vt_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GW, BLOCK_N], e4)
+    vt_0 = gl.allocate_shared_memory(e4, [1, GW, BLOCK_N], vt_lay)
+    vt_1 = gl.allocate_shared_memory(e4, [1, GW, BLOCK_N], vt_lay)
+    vt_2 = gl.allocate_shared_memory(e4, [1, GW, BLOCK_N], vt_lay)
+    vt_3 = gl.allocate_shared_memory(e4, [1, GW, BLOCK_N], vt_lay)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4)
+    p2_0 = gl.allocate_shared_memory(e4, [1, N2, BLOCK_N], p_lay)
+    p2_1 = gl.allocate_shared_memory(e4, [1, N2, BLOCK_N], p_lay)
+    p2_2 = gl.allocate_shared_memory(e4, [1, N2, BLOCK_N], p_lay)
+    p2_3 = gl.allocate_shared_memory(e4, [1, N2, BLOCK_N], p_lay)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    # the queries: latent as e4m3 hi + lo (rows [0, 16) and [16, 32)), rope as bf16
+    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    tq = (q_start + mq // heads).to(gl.int64)
+    qmask = (mq // heads < q_len)[:, None]
+    x = gl.load(ql_ptr + tq[:, None] * stride_qt + (mq % heads)[:, None] * stride_qh
+                + gl.arange(0, R, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0).to(gl.float32)
+    y = gl.load(qr_ptr + tq[:, None] * stride_rt + (mq % heads)[:, None] * stride_rh
+                + gl.arange(0, P, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0)
+    amax = gl.max(gl.abs(x), 1)
+    sq = gl.where(amax > 0, amax / 448.0, 1.0)
+    x = x / sq[:, None]
+    xh = x.to(e4)
+    q2_smem.index(0).slice(0, BLOCK_M, dim=0).store(xh)
+    q2_smem.index(0).slice(BLOCK_M, BLOCK_M, dim=0).store((x - xh.to(gl.float32)).to(e4))
+    qr_smem.index(0).store(y.to(gl.bfloat16))
+    fence_async_shared()  # the queries' stores and the barriers' init, before async readers
+    gl.thread_barrier()
+
+    s0 = gl.zeros([BLOCK_N, N2], gl.float32, layout=t2_l)
+    r0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tr_l)
+    o0 = gl.zeros([GW, N2], gl.float32, layout=t2_l)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    acc0 = _half_sum(o0)  # output columns [128 g, 128 g + 128) per group, [128, rows]
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    o_l: gl.constexpr = acc0.type.layout
+    qk_scale = scale * 1.4426950408889634
+    row_scale = gl.convert_layout(sq, per_row) * qk_scale
+
+    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
+    hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
+    table_row = table_ptr + b.to(gl.int64) * stride_tb
+    pa = _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo, n_tiles,
+                       0, block_size, num_blocks, BLOCK_N)
+    pb = _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo, n_tiles,
+                       1, block_size, num_blocks, BLOCK_N)
+    pc = pb
+    pd = pb
+    if STAGES > 2:
+        pc = _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo,
+                           n_tiles, 2, block_size, num_blocks, BLOCK_N)
+    if STAGES > 3:
+        pd = _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo,
+                           n_tiles, 3, block_size, num_blocks, BLOCK_N)
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
+    kn = gl.arange(0, BLOCK_N, layout=per_key)
+    kt = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_l))
+    kc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sc_l))
+    sel = gl.arange(0, 4, layout=gl.SliceLayout(0, sc_l))
+    for it in range(n_tiles):
+        stage = it % STAGES
+        n0 = s_lo + it * BLOCK_N
+        wi = it // (n_tiles + 1)  # always 0
+        page = pa
+        refill = it + STAGES < n_tiles
+        page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
+                            other=0)
+        bad = _flag_bad(page, num_blocks, flag_ptr)
+        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+        kv = kv_smem.index(stage)
+        q2 = q2_smem.index(wi)
+        a0 = warpgroup_mma(kv.slice(0, GW, dim=1), q2.slice(0, GW, dim=1).permute((1, 0)),
+                           s0, use_acc=False, is_async=True)
+        a1 = warpgroup_mma(kv.slice(GW, GW, dim=1), q2.slice(GW, GW, dim=1).permute((1, 0)),
+                           s0, use_acc=False, is_async=True)
+        a2 = warpgroup_mma(kv.slice(2 * GW, GW, dim=1),
+                           q2.slice(2 * GW, GW, dim=1).permute((1, 0)), s0, use_acc=False,
+                           is_async=True)
+        a3 = warpgroup_mma(kv.slice(3 * GW, GW, dim=1),
+                           q2.slice(3 * GW, GW, dim=1).permute((1, 0)), s0, use_acc=False,
+                           is_async=True)
+        r = warpgroup_mma(kr_smem.index(stage), qr_smem.index(wi).permute((1, 0)), r0,
+                          use_acc=False, is_async=True)
+        # under the MMAs: the latent transposed (V^T per group) and the scales read
+        vt0 = vt_0.index(wi)
+        vt1 = vt_1.index(wi)
+        vt2 = vt_2.index(wi)
+        vt3 = vt_3.index(wi)
+        if (n0 + BLOCK_N > seq_len) | bad:  # the sequence's last, partly written tile
+            keep = (n0 + kt < seq_len) & (bad == 0)
+            _transpose_group(kv, vt0, 0, keep, True, False, v_l)
+            _transpose_group(kv, vt1, 1, keep, True, False, v_l)
+            _transpose_group(kv, vt2, 2, keep, True, False, v_l)
+            _transpose_group(kv, vt3, 3, keep, True, False, v_l)
+        else:
+            _transpose_group(kv, vt0, 0, kt, False, PAIRS, v_l)
+            _transpose_group(kv, vt1, 1, kt, False, PAIRS, v_l)
+            _transpose_group(kv, vt2, 2, kt, False, PAIRS, v_l)
+            _transpose_group(kv, vt3, 3, kt, False, PAIRS, v_l)
+        sc = ks_smem.index(stage).load(sc_l)
+        # selected, not multiplied: unwritten slots' scales may be NaN
+        sc = gl.where(((n0 + kc < seq_len) & (bad == 0))[:, None], sc, 0.0)
+        smax = gl.max(sc, 0)  # the tile's largest scale per group
+        fac = sc * gl.where(smax > 0, 1.0 / smax, 0.0)[None, :]
+        a0, a1, a2, a3, r = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3, r])
+        gl.thread_barrier()  # every warp's reads of the slot are over: refill it now
+        _issue_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, page_next,
+                  n0 + STAGES * BLOCK_N, stage, block_size, num_blocks, refill)
+        s = gl.convert_layout(_half_sum(a0), t_l) * _group(sc, sel, 0, per_key)[:, None]
+        s += gl.convert_layout(_half_sum(a1), t_l) * _group(sc, sel, 1, per_key)[:, None]
+        s += gl.convert_layout(_half_sum(a2), t_l) * _group(sc, sel, 2, per_key)[:, None]
+        s += gl.convert_layout(_half_sum(a3), t_l) * _group(sc, sel, 3, per_key)[:, None]
+        s = s * row_scale[None, :] + gl.convert_layout(r, t_l) * qk_scale
+        seen = ((n0 + kn)[:, None] < hi[None, :]) & (bad == 0)
+        s = gl.where(seen, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        # probabilities x 256 (see mla_gluon_e4m3), per group x s_g / max_g <= 256
+        p = gl.exp2(s - m_use[None, :]) * 256.0
+        alpha = gl.exp2(m_i - m_use)
+        m_i = m_new
+        l_acc = l_acc * alpha[None, :] + p
+        pt0 = p2_0.index(wi)
+        pt1 = p2_1.index(wi)
+        pt2 = p2_2.index(wi)
+        pt3 = p2_3.index(wi)
+        _store_p(p, _group(fac, sel, 0, per_key), pt0, BLOCK_M)
+        _store_p(p, _group(fac, sel, 1, per_key), pt1, BLOCK_M)
+        _store_p(p, _group(fac, sel, 2, per_key), pt2, BLOCK_M)
+        _store_p(p, _group(fac, sel, 3, per_key), pt3, BLOCK_M)
+        fence_async_shared()
+        gl.thread_barrier()  # V^T and P stored by every warp
+        o_0 = warpgroup_mma(vt0, pt0.permute((1, 0)), o0, use_acc=False, is_async=True)
+        o_1 = warpgroup_mma(vt1, pt1.permute((1, 0)), o0, use_acc=False, is_async=True)
+        o_2 = warpgroup_mma(vt2, pt2.permute((1, 0)), o0, use_acc=False, is_async=True)
+        o_3 = warpgroup_mma(vt3, pt3.permute((1, 0)), o0, use_acc=False, is_async=True)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))
+        o_0 = warpgroup_mma_wait(3, deps=[o_0])
+        acc0 = acc0 * alpha_o[None, :] + _half_sum(o_0) * _pick(smax, sel, 0)
+        o_1 = warpgroup_mma_wait(2, deps=[o_1])
+        acc1 = acc1 * alpha_o[None, :] + _half_sum(o_1) * _pick(smax, sel, 1)
+        o_2 = warpgroup_mma_wait(1, deps=[o_2])
+        acc2 = acc2 * alpha_o[None, :] + _half_sum(o_2) * _pick(smax, sel, 2)
+        o_3 = warpgroup_mma_wait(0, deps=[o_3])
+        acc3 = acc3 * alpha_o[None, :] + _half_sum(o_3) * _pick(smax, sel, 3)
+        gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
+        pa = pb
+        if STAGES == 2:
+            pb = page_next
+        elif STAGES == 3:
+            pb = pc
+            pc = page_next
+        else:
+            pb = pc
+            pc = pd
+            pd = page_next
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    base = _ws_rows(m_r, q_start, heads, num_splits, split)
+    rmask = m_r // heads < q_len
+    gl.store(ws_m + base, m_i, mask=rmask)
+    gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
+    m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
+    out = ws_o + _ws_rows(m_o, q_start, heads, num_splits, split)[None, :] * R \
+        + gl.arange(0, GW, layout=gl.SliceLayout(1, o_l))[:, None]
+    omask = (m_o // heads < q_len)[None, :]
+    gl.store(out, acc0 * (1.0 / 256.0), mask=omask)
+    gl.store(out + GW, acc1 * (1.0 / 256.0), mask=omask)
+    gl.store(out + 2 * GW, acc2 * (1.0 / 256.0), mask=omask)
+    gl.store(out + 3 * GW, acc3 * (1.0 / 256.0), mask=omask)
+
+
+def descriptors(cache: torch.Tensor):
+    """(latent, rope, scales) Gluon tensor descriptors over an fp8_ds_mla cache's bytes seen
+    as one row per slot: [64, 512] e4m3 (128-byte swizzle), [64, 64] bf16 (128-byte
+    swizzle), [64, 4] fp32 (none)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_blocks, block_size, width = cache.shape
+    rows, row = num_blocks * block_size, cache.stride(1)
+
+    def desc(dtype, gdt, box):
+        size = torch.tensor([], dtype=dtype).element_size()
+        return TensorDescriptor(cache.view(dtype), [rows, width // size], [row // size, 1],
+                                [BLOCK_N, box],
+                                gl.NVMMASharedLayout.get_default_for([BLOCK_N, box], gdt))
+
+    return (desc(torch.float8_e4m3fn, gl.float8e4nv, RANK),
+            desc(torch.bfloat16, gl.bfloat16, ROPE),
+            desc(torch.float32, gl.float32, GROUPS))
+
+
+def supported(q_latent, q_rope, cache, mask, rows: int = 1) -> str | None:
+    """Why the fp8_ds_mla Gluon kernel cannot take this call (None: it can); ``rows``: query
+    rows per request (q_len x heads). The switch first, device checks last."""
+    if not ENABLED:
+        return "the fp8_ds_mla Gluon kernel is off (mla_gluon_ds.ENABLED: not run on a GPU yet)"
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[-1] != ENTRY:
+        return (f"a {cache.dtype} cache of entry {cache.shape[-1]} (fp8_ds_mla uint8 entries "
+                f"of {ENTRY} bytes only)")
+    if rows > SWAP_ROWS:
+        return f"{rows} rows per request (the <= {SWAP_ROWS}-row kernel only)"
+    if q_latent.dtype not in (torch.bfloat16, torch.float16) or q_rope is None or (
+            q_rope.dtype != q_latent.dtype):
+        return f"{q_latent.dtype} queries (bf16/fp16 with a rope part of the same dtype only)"
+    if q_latent.shape[-1] != RANK or q_rope.shape[-1] != ROPE:
+        return f"rank {q_latent.shape[-1]} + rope {q_rope.shape[-1]} (512 + 64 only)"
+    if cache.shape[1] % BLOCK_N:
+        return f"block size {cache.shape[1]} (multiples of {BLOCK_N})"
+    if cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1) or (
+            cache.stride(1) % 16 or cache.data_ptr() % 16):
+        return "cache entries not page-contiguous and 16-byte aligned"
+    if mask.window is not None or mask.chunk is not None:
+        return "sliding-window / chunked masks"
+    if cache.device.type != "cuda" or torch.cuda.get_device_capability(cache.device) != (9, 0):
+        return "not a Hopper (sm_90) device"
+    return None
+
+
+def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, mask,
+         tiles: int, splits: int):
+    """``mla_gluon.plan`` for an fp8_ds_mla cache: this kernel (its ``STAGES`` and
+    ``PAIRS`` as set now), the same workspace and combine."""
+    from pagedkv.launch import Launch
+    from pagedkv.ops.triton.combine import combine_launch
+    from pagedkv.ops.triton.mla_gluon import Plan
+
+    descs = descriptors(cache)
+    num_blocks, block_size = cache.shape[:2]
+    rows, heads = ql.shape[:2]
+    consts = dict(R=RANK, P=ROPE, BLOCK_M=SWAP_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                  CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, PAIRS=PAIRS,
+                  num_warps=4)
+    kernel = Launch(_mla_gluon_ds, (seq_lens.shape[0] * tiles, splits), (
+        *descs, ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), table.stride(0),
+        num_blocks, block_size, heads, scale, mask.draft_block or 0, tiles, splits), consts)
+    ws_shape = (rows, heads, splits, RANK)
+    return Plan(kernel, combine_launch(ws_shape, out, query_start_loc, None), ws_shape, descs)
