@@ -152,6 +152,16 @@ def by_hand(hf, **kw):
     return mgr, sync, step, prompt
 
 
+def prefill_two(mgr, step, prompt, n: int) -> None:
+    """Requests "a" and "b" with ``n``-token prompts, prefilled in one step and committed."""
+    for rid in "ab":
+        mgr.add_request(rid, prompt(n))
+        assert mgr.allocate(rid, n)
+    step(("a", 0, n, 0, 0), ("b", 0, n, 0, 0))
+    for rid in "ab":
+        mgr.commit(rid, n, [1])
+
+
 def decode(mgr, rid, look=0):
     """One decode step's allocation for ``rid``: (rid, computed, 1, 0, look)."""
     c = mgr.num_computed(rid)
@@ -181,12 +191,7 @@ def test_preempted_and_allocated_again(models, caching):
     """b preempted and admitted again (a prefix hit with caching, fresh blocks without:
     not those it gave back, which c took) between two steps of (a, b)."""
     mgr, sync, step, prompt = by_hand(models["llama-3-8b"], enable_prefix_caching=caching)
-    for rid in "ab":
-        mgr.add_request(rid, prompt(9))
-        assert mgr.allocate(rid, 9)
-    step(("a", 0, 9, 0, 0), ("b", 0, 9, 0, 0))
-    for rid in "ab":
-        mgr.commit(rid, 9, [1])
+    prefill_two(mgr, step, prompt, 9)
     step(decode(mgr, "a"), decode(mgr, "b"))
     for rid in "ab":
         mgr.commit(rid, 1, [2])
@@ -229,12 +234,7 @@ def test_window_drops_blocks_between_steady_steps(models):
     """Gemma 3's sliding window (8 tokens, blocks of 4): decode steps of the same two
     requests null the blocks that leave the window (``first_live`` moves)."""
     mgr, sync, step, prompt = by_hand(models["gemma-3-27b"])
-    for rid in "ab":
-        mgr.add_request(rid, prompt(5))
-        assert mgr.allocate(rid, 5)
-    step(("a", 0, 5, 0, 0), ("b", 0, 5, 0, 0))
-    for rid in "ab":
-        mgr.commit(rid, 5, [1])
+    prefill_two(mgr, step, prompt, 5)
     moved = 0
     for t in range(14):
         live = [mgr.requests[r].first_live[:] for r in "ab"]
@@ -252,12 +252,7 @@ def test_changes_the_manager_did_not_list_are_refused(models):
     from pagedkv.errors import MetadataError
 
     mgr, sync, step, prompt = by_hand(models["llama-3-8b"])
-    for rid in "ab":
-        mgr.add_request(rid, prompt(7))
-        assert mgr.allocate(rid, 7)
-    step(("a", 0, 7, 0, 0), ("b", 0, 7, 0, 0))
-    for rid in "ab":
-        mgr.commit(rid, 7, [1])
+    prefill_two(mgr, step, prompt, 7)
     step(decode(mgr, "a"), decode(mgr, "b"))  # a, b: 8 tokens, 2 blocks each
     for rid in "ab":
         mgr.commit(rid, 1, [2])
