@@ -146,21 +146,30 @@ E4M3_SWEEP = [_e4m3_form(x) for x in os.environ.get(
 
 
 @contextlib.contextmanager
-def e4m3_form(form: tuple[int, bool, int] | None):
-    """The e4m3 MLA kernel's (ring slots, stacked, warpgroups) set to ``form`` (None: as
-    they are) for the block, the kept launch plans dropped before and after (their key
-    holds none of them)."""
-    from pagedkv.ops.triton import mla as triton_mla
-    from pagedkv.ops.triton import mla_gluon_e4m3 as e4
-
-    kept = e4.STAGES, e4.STACKED, e4.WARPGROUPS
-    triton_mla._GLUON_PLANS.clear()
-    e4.STAGES, e4.STACKED, e4.WARPGROUPS = form or kept
+def kernel_switches(module, plans: dict, **values):
+    """``module``'s switches set to ``values`` for the block, the kept launch plans
+    ``plans`` dropped before and after (their keys do not hold these switches)."""
+    kept = {k: getattr(module, k) for k in values}
+    plans.clear()
+    for k, v in values.items():
+        setattr(module, k, v)
     try:
         yield
     finally:
-        e4.STAGES, e4.STACKED, e4.WARPGROUPS = kept
-        triton_mla._GLUON_PLANS.clear()
+        for k, v in kept.items():
+            setattr(module, k, v)
+        plans.clear()
+
+
+def e4m3_form(form: tuple[int, bool, int] | None):
+    """The e4m3 MLA kernel's (ring slots, stacked, warpgroups) set to ``form`` (None: as
+    they are) for the block."""
+    from pagedkv.ops.triton import mla as triton_mla
+    from pagedkv.ops.triton import mla_gluon_e4m3 as e4
+
+    st, stacked, wg = form or (e4.STAGES, e4.STACKED, e4.WARPGROUPS)
+    return kernel_switches(e4, triton_mla._GLUON_PLANS, STAGES=st, STACKED=stacked,
+                           WARPGROUPS=wg)
 
 
 # the Gluon fp8 GQA kernel's forms: (decode_gluon.STACKED, decode_gluon.LEAN_V)
@@ -172,38 +181,21 @@ GQA_FP8_FORMS = ((False, False), (True, False), (True, True))
 DS_STAGES = [int(x) for x in os.environ.get("PAGEDKV_BENCH_DS", "4,3").split(",") if x]
 
 
-@contextlib.contextmanager
 def ds_form(stages: int):
-    """``mla_gluon_ds`` on, with ``stages`` ring slots, for the block; kept launch plans
-    dropped before and after (their key holds the switch and form: a precaution)."""
+    """``mla_gluon_ds`` on, with ``stages`` ring slots, for the block."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_ds as ds
 
-    kept = ds.ENABLED, ds.STAGES
-    triton_mla._GLUON_PLANS.clear()
-    ds.ENABLED, ds.STAGES = True, stages
-    try:
-        yield
-    finally:
-        ds.ENABLED, ds.STAGES = kept
-        triton_mla._GLUON_PLANS.clear()
+    return kernel_switches(ds, triton_mla._GLUON_PLANS, ENABLED=True, STAGES=stages)
 
 
-@contextlib.contextmanager
 def gqa_fp8_form(stacked: bool, lean_v: bool):
-    """The Gluon fp8 GQA kernel's ``STACKED`` and ``LEAN_V`` set for the block, the kept
-    decode plans dropped before and after (their key holds neither)."""
+    """The Gluon fp8 GQA kernel's ``STACKED`` and ``LEAN_V`` set for the block."""
     from pagedkv.ops.triton import attention as triton_attention
     from pagedkv.ops.triton import decode_gluon
 
-    kept = decode_gluon.STACKED, decode_gluon.LEAN_V
-    triton_attention._PLANS.clear()
-    decode_gluon.STACKED, decode_gluon.LEAN_V = stacked, lean_v
-    try:
-        yield
-    finally:
-        decode_gluon.STACKED, decode_gluon.LEAN_V = kept
-        triton_attention._PLANS.clear()
+    return kernel_switches(decode_gluon, triton_attention._PLANS, STACKED=stacked,
+                           LEAN_V=lean_v)
 
 
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
