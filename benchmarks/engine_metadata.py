@@ -27,7 +27,8 @@ steps least disturbed on a shared machine) and the ratio persistent / stateless 
 medians; then the machine, versions and UTC time.
 
 ``--breakdown``: afterwards, as many persistent steps alone, back to back: the medians of
-the build, of the builder's ``step`` and of ``append_each`` (the rest: TableSync's checks).
+the build, of the builder's ``step`` and of ``append_each`` (the rest: TableSync's checks),
+and of the scheduler's ``schedule`` and ``update`` around them (for scale).
 
 ``--baseline FILE``: a third path on the same steps, interleaved with the other two (the
 order rotating): the ``TableSync`` of another ``engine/stepmeta.py`` (e.g. an older
@@ -112,7 +113,7 @@ def breakdown(sched, runner, steps: int, base=None) -> dict:
     TableSync's per-request checks). With ``base``, its build on the same steps too (the
     order alternating): its median and the median of persistent / baseline per step."""
     builder = runner.sync.builder
-    parts = {"build": [], "builder.step": [], "append_each": []}
+    parts = {"build": [], "builder.step": [], "append_each": [], "schedule": [], "update": []}
     other = []
     step, append_each = builder.step, builder.append_each
 
@@ -127,9 +128,12 @@ def breakdown(sched, runner, steps: int, base=None) -> dict:
     builder.step, builder.append_each = timed("builder.step", step), timed("append_each", append_each)
     try:
         for _ in range(steps):
+            t0 = time.perf_counter()
             plan = sched.schedule()
+            t1 = time.perf_counter()
             for v in parts.values():
                 v.append(0.0)
+            parts["schedule"][-1] = t1 - t0
             extra = [0] * len(plan.chunks)
             if base is not None and len(other) % 2:
                 t0 = time.perf_counter()
@@ -142,7 +146,10 @@ def breakdown(sched, runner, steps: int, base=None) -> dict:
                 t0 = time.perf_counter()
                 baseline_call(runner, base, plan.chunks, extra)
                 other.append(time.perf_counter() - t0)
-            sched.update(plan, {c.request.rid: [1] for c in plan.chunks if c.samples})
+            sampled = {c.request.rid: [1] for c in plan.chunks if c.samples}
+            t0 = time.perf_counter()
+            sched.update(plan, sampled)
+            parts["update"][-1] = time.perf_counter() - t0
     finally:
         del builder.step, builder.append_each
     out = {k: statistics.median(v) * 1e6 for k, v in parts.items()}
@@ -289,7 +296,9 @@ def main(argv=None) -> int:
         rest = parts["build"] - parts["builder.step"] - parts["append_each"]
         print(f"\nbatch {batch}, persistent alone ({args.steps} steps, warm, medians): build "
               f"{parts['build']:.0f} us = builder.step {parts['builder.step']:.0f} + "
-              f"append_each {parts['append_each']:.0f} + TableSync checks ~{rest:.0f}")
+              f"append_each {parts['append_each']:.0f} + TableSync checks ~{rest:.0f}; the "
+              f"engine's scheduler in the same steps: schedule {parts['schedule']:.0f} us, "
+              f"update {parts['update']:.0f} us (block-manager commits included)")
         if "pair" in parts:
             print(f"baseline alone, the same steps (the order alternating): build "
                   f"{parts['baseline']:.0f} us; persistent / baseline per step: median "
