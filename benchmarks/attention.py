@@ -172,10 +172,6 @@ def e4m3_form(form: tuple[int, bool, int] | None):
                            WARPGROUPS=wg)
 
 
-# the Gluon fp8 GQA kernel's forms: (decode_gluon.STACKED, decode_gluon.LEAN_V)
-GQA_FP8_FORMS = ((False, False), (True, False), (True, True))
-
-
 # --gluon, MLA fp8_ds_mla: the Gluon kernel (mla_gluon_ds, switched on for these rows only) at
 # each ring depth of PAGEDKV_BENCH_DS (a comma list, default 4,3), beside the Triton kernel
 DS_STAGES = [int(x) for x in os.environ.get("PAGEDKV_BENCH_DS", "4,3").split(",") if x]
@@ -187,15 +183,6 @@ def ds_form(stages: int):
     from pagedkv.ops.triton import mla_gluon_ds as ds
 
     return kernel_switches(ds, triton_mla._GLUON_PLANS, ENABLED=True, STAGES=stages)
-
-
-def gqa_fp8_form(stacked: bool, lean_v: bool):
-    """The Gluon fp8 GQA kernel's ``STACKED`` and ``LEAN_V`` set for the block."""
-    from pagedkv.ops.triton import attention as triton_attention
-    from pagedkv.ops.triton import decode_gluon
-
-    return kernel_switches(decode_gluon, triton_attention._PLANS, STACKED=stacked,
-                           LEAN_V=lean_v)
 
 
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
@@ -442,15 +429,6 @@ def fp8_gluon_case(batch, ctx, page=16, hq=32, hkv=8, dim=128) -> None:
     for cfg in [dict(gluon=False), dict(gluon=True)] + GLUON_CONFIGS:
         rec(case, config_name(cfg), lambda cfg=cfg: paged_attention(
             q, k8, v8, qsl, lens, table, **f8, **cfg), nb16 // 2, ref)
-    from pagedkv.ops.triton import decode_gluon
-
-    for form in GQA_FP8_FORMS:  # the kernel's other forms
-        if form == (decode_gluon.STACKED, decode_gluon.LEAN_V):
-            continue
-        with gqa_fp8_form(*form):
-            rec(case, f"gluon=True[stacked={int(form[0])},lean_v={int(form[1])}]",
-                lambda: paged_attention(q, k8, v8, qsl, lens, table, **f8, gluon=True),
-                nb16 // 2, ref)
     for mode in ("", "[graph]"):
         b16 = times.get((base, "pagedkv_triton" + mode))
         if b16 is None:

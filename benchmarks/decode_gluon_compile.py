@@ -5,9 +5,9 @@ as one JSON line: shared memory bytes, registers / stack / local bytes per threa
 instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/decode_gluon_compile.py [e4m3|e5m2] [causal|draft]
-[BLOCK_M] [STAGES] [PAGE] [P_SPLIT] [MAXNREG] [BLOCK_N] [STACKED] [LEAN_V] (run without
-TRITON_INTERPRET). With LEAN_V, "loop" counts the key loop's SASS with both V^T paths in it
-(the masked one is the forward-branched block of ~290 instructions with the SEL).
+[BLOCK_M] [STAGES] [PAGE] [MAXNREG] [BLOCK_N] (run without TRITON_INTERPRET). "loop" counts
+the key loop's SASS with both V^T paths in it (the masked one is the forward-branched block
+of ~290 instructions with the SEL).
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ from pagedkv.ops.triton import decode_gluon
 
 
 def compile_kernel(fmt="e4m3", mask="causal", block_m=8, stages=decode_gluon.STAGES, page=16,
-                   p_split=int(decode_gluon.P_SPLIT), maxnreg=None,
-                   block_n=decode_gluon.BLOCK_N, stacked=int(decode_gluon.STACKED),
-                   lean_v=int(decode_gluon.LEAN_V)):
+                   maxnreg=None, block_n=decode_gluon.BLOCK_N):
     fn = decode_gluon._paged_decode_gluon
     dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     desc = decode_gluon.descriptor(torch.empty(4, page, 8, 128, dtype=dt))
     const = dict(GROUP=4, PAGE=page, D=128, BLOCK_M=block_m, BLOCK_N=block_n,
                  STAGES=stages, CAUSAL=mask == "causal", HAS_DRAFT=mask == "draft",
-                 SCALES_IN_MEMORY=False, CHECK=False,
-                 P_SPLIT=p_split, STACKED=bool(stacked), LEAN_V=bool(lean_v))
+                 SCALES_IN_MEMORY=False, CHECK=False)
     ptrs = {"q_ptr": "*bf16", "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "scales_ptr": "*fp32",
             "flag_ptr": "*i32"}

@@ -48,25 +48,22 @@ def compiled_for_sm90(*args: str) -> dict:
 
 @pytest.mark.parametrize("args,n,kind", [(("e4m3", "causal"), 8, "e4m3.e4m3"),
                                          (("e5m2", "draft", "32"), 32, "e5m2.e4m3")])
-@pytest.mark.parametrize("stacked,lean_v", [(0, 0), (1, 0), (1, 1)])
-def test_compiles_for_sm90_within_shared_memory_without_spills(args, n, kind, stacked, lean_v):
-    fixed = ("8", "2", "16", "1", "0", "64")  # BLOCK_M, STAGES, PAGE, P_SPLIT, MAXNREG, BLOCK_N
-    use = compiled_for_sm90(*args, *fixed[len(args) - 2:], str(stacked), str(lean_v))
+def test_compiles_for_sm90_within_shared_memory_without_spills(args, n, kind):
+    fixed = ("8", "2", "16", "0", "64")  # BLOCK_M, STAGES, PAGE, MAXNREG, BLOCK_N
+    use = compiled_for_sm90(*args, *fixed[len(args) - 2:])
     assert 0 < use["shared"] <= SHARED_LIMIT, use
     assert use["STACK"] == 0 and use["LOCAL"] == 0 and use["local_ops"] == 0, use
     assert use["REG"] == decode_gluon.MAXNREG[n], use
     # both products on 8-bit tensor cores (nothing widened), operands from shared memory:
     # scores 64 keys (m64) over 128 columns (4 x k32) for the query's hi and lo tiles = 8;
     # values 128 output columns (2 x m64) over 64 keys (2 x k32) for P's hi and lo = 8;
-    # stacked: hi and lo side by side as one MMA's N, half as many MMAs
+    # hi and lo side by side as one MMA's N: 4 + 4
     wg = {k: c for k, c in use["ptx"].items() if k.startswith("wgmma.mma")}
-    shape, count = (2 * n, 8) if stacked else (n, 16)
-    assert wg == {f"wgmma.mma_async.sync.aligned.m64n{shape}k32.f32.{kind}": count}, use
+    assert wg == {f"wgmma.mma_async.sync.aligned.m64n{2 * n}k32.f32.{kind}": 8}, use
     # one 16-slot box of K and one of V per 16 keys: 8 copies per tile (the copy warp)
     assert sum(c for k, c in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) == 8
     assert use["ptx"].get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0, use  # queries and P to e4m3
-    # SASS of the key loop: 500 / 826 (LEAN_V: both V^T paths in it, 606 / 978; its common
-    # path ~316 at n = 8)
+    # SASS of the key loop, both V^T paths in it: 606 / 978 (the common path ~316 at n = 8)
     assert 0 < use["loop"] < (700 if n == 8 else 1000), use
 
 
@@ -185,30 +182,13 @@ def _reference(q, qsl, seqs, keys, values, mask, scale, sinks=None):
     return out
 
 
-# the kernel's forms: (decode_gluon.STACKED, decode_gluon.LEAN_V)
-FORMS = {"two chains": (False, False), "stacked": (True, False), "stacked lean V": (True, True)}
-
-
-def _form(monkeypatch, form: str) -> None:
-    """The kernel's form (``decode_gluon.STACKED`` and ``LEAN_V``) for one test, with no
-    kept plan made under another (the plans' key does not hold them)."""
-    from pagedkv.ops.triton import attention as triton_attention
-
-    stacked, lean_v = FORMS[form]
-    monkeypatch.setattr(decode_gluon, "STACKED", stacked)
-    monkeypatch.setattr(decode_gluon, "LEAN_V", lean_v)
-    monkeypatch.setattr(triton_attention, "_PLANS", {})
-
-
 @hopper_only
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("q_len,mask", [(1, Mask()), (3, Mask()),
                                         (4, Mask(causal=False, draft_block=4)),
                                         (7, Mask(causal=False, draft_block=7))])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("form", list(FORMS))
-def test_matches_float64_reference(fmt, q_len, mask, splits, form, monkeypatch):
-    _form(monkeypatch, form)
+def test_matches_float64_reference(fmt, q_len, mask, splits):
     # lengths around the 64-key tile and the 16-slot page, an empty batch row
     seqs = [(1000, q_len), (q_len + 5, q_len), (130, q_len), (0, 0), (64, q_len)]
     k_scale, v_scale = 2.0**-6, 2.0**-5
@@ -231,13 +211,10 @@ def test_matches_float64_reference(fmt, q_len, mask, splits, form, monkeypatch):
 @pytest.mark.parametrize("block_size", [32, 64])
 @pytest.mark.parametrize("q_len,mask", [(1, Mask()), (4, Mask(causal=False, draft_block=4))])
 @pytest.mark.parametrize("splits", [None, 2])
-@pytest.mark.parametrize("form", list(FORMS))
-def test_sinks_device_scales_and_larger_pages(block_size, q_len, mask, splits, form,
-                                              monkeypatch):
+def test_sinks_device_scales_and_larger_pages(block_size, q_len, mask, splits):
     """Pages of 32 / 64 slots, sinks (merged by the combine) and scales in device memory
     through the Gluon kernel (this case's NaN in the 06:48 UTC run was its reference's:
     docs/kernels.md), against float64 attention with the sinks."""
-    _form(monkeypatch, form)
     seqs = [(300, q_len), (77, q_len), (q_len, q_len), (0, 0), (129, q_len)]
     k_scale, v_scale = 2.0**-7, 2.0**-4
     (q, k8, v8, qsl, lens, table), keys, values = _fp8_case(
@@ -275,13 +252,11 @@ def test_checked_call_reports_a_bad_block_id():
 
 
 @hopper_only
-@pytest.mark.parametrize("form", list(FORMS))
-def test_unchecked_bad_block_ids_mask_their_keys(form, monkeypatch):
+def test_unchecked_bad_block_ids_mask_their_keys():
     """An unchecked call (``max_query_len`` and ``max_seq_len`` given) whose tables hold a
     negative and a too-large block id in the middle of a sequence: the kernel reads page 0
     for them, here a NaN-filled page, and must leave their keys out (no NaN), so the output
-    is attention over the other keys. LEAN_V zeroes V only on such tiles and a split's last."""
-    _form(monkeypatch, form)
+    is attention over the other keys. The kernel zeroes V only on such tiles and a split's last."""
     seqs = [(300, 1), (200, 1)]
     (q, k8, v8, qsl, lens, table), keys, values = _fp8_case(
         seqs, 16, torch.float8_e4m3fn, 2.0**-6, 2.0**-5, seed=21)

@@ -11,19 +11,16 @@ registers into a K-major buffer.
   V per 16 keys from the cache seen as [slots, kv_heads * dim] (bad block ids read page
   0), into a ring of ``STAGES`` slots with ready / empty mbarriers.
 - The compute warpgroup, keys on the MMA's M side so the (query row, head) pairs of a KV
-  head are the MMA's N (8 at q_len 1, group 4): S^T = K Q^T with the query split into two
-  e4m3 tiles (hi + lo, one scale per pair: about bf16's 8 significant bits); V -> registers
-  (keys not read zeroed: NaN-filled slots would survive a zero probability) -> V^T while
-  the score MMAs run; the online softmax; P x 256 split into e4m3 hi + lo (one e4m3 tile
-  alone: 1-2.5% relative error); O^T += V^T P^T (two MMAs). The sums add the e4m3 values
-  the MMA multiplies.
-- ``STACKED`` (the default): the hi and lo tiles of the query, and of P, side by side as one
-  operand (rows [0, pairs) hi, [pairs, 2 pairs) lo), so one MMA of twice the N does each
-  product (8 m64n16k32 a tile at q_len 1 instead of 16 m64n8k32: each K tile and V^T read
-  once by the tensor cores), the hi + lo column halves added in registers
-  (``gluon_common.half_sum``), as ``mla_gluon_e4m3``'s stacked form.
-- ``LEAN_V`` (off: compiled, not yet run on a GPU): V^T as key pairs, zeroing only on a
-  split's last tile or a tile behind a bad block id.
+  head are the MMA's N (8 at q_len 1, group 4): the query split into two e4m3 tiles (hi +
+  lo, one scale per pair: about bf16's 8 significant bits) stacked side by side as one
+  operand, so S^T = K [Q_hi Q_lo]^T is one MMA of twice the N (each K tile read once by the
+  tensor cores; the hi + lo column halves added in registers, ``gluon_common.half_sum``);
+  while it runs, V -> registers -> V^T as key pairs (``mla_gluon_e4m3._transpose_pairs``;
+  only a split's last tile or a tile behind a bad block id goes through a masked byte
+  shuffle: NaN-filled slots would survive a zero probability); the online softmax; P x 256
+  as e4m3 hi + lo (one e4m3 tile alone: 1-2.5% relative error, ``benchmarks/fp8_probs.py``)
+  stacked the same way; O^T += V^T [P_hi P_lo]^T. The sums add the e4m3 values the MMA
+  multiplies.
 - Every program writes its split of the (o, m, l) workspace; ``combine`` merges the splits
   (and zeroes padding rows).
 
@@ -31,9 +28,10 @@ Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, hea
 for K and V, blocks of a multiple of 16 slots, heads packed in an entry, float or
 device-memory scales, sinks (in the combine), causal, non-causal and draft-block masks, up
 to 32 (row, head) pairs per KV head; no window/chunk/soft-cap.
-The default for q_len-1 calls it takes (``decode.GLUON_FP8``). At B64 ctx8K / 32K p16 on the
-H200 (docs/kernels.md, 2026-12-04 14:09 UTC): stacked 1.42x / 1.45x the bf16 kernel's
-throughput (1.48x with 4 splits at 32K), two chains 1.27x / 1.28x.
+The default for q_len-1 calls it takes (``decode.GLUON_FP8``). H200, 2026-12-04 17:12-17:15
+UTC (docs/kernels.md, "GQA fp8, lean V^T"): 1.77-1.86x the bf16 kernel's throughput at B32-128,
+context 8K-32K, page 16 (91-98% of device copy at B64-128), against 1.42-1.48x for the form
+that zeroed every tile and 1.26-1.30x for two MMA chains (both deleted since).
 """
 
 from __future__ import annotations
@@ -58,20 +56,6 @@ BLOCK_N, BOX, DIM = 64, 16, 128
 # ring slots: 2 (4 programs per SM) beat 3 (3 per SM) by 15% on the H200 (docs/kernels.md)
 STAGES = 2
 LOADER_REGS = gl.constexpr(40)  # the copy warp's register request (worker_num_regs)
-# probabilities as e4m3 hi + lo (two value MMAs): one e4m3 tile alone gives 1-2.5% relative
-# error on random values (a float64 emulation), over the fp8 tests' 1e-2 bound
-P_SPLIT = True
-# the query's and P's hi and lo side by side as one MMA's N (each K tile and V^T read once
-# by the tensor cores, the hi + lo sums in registers), as mla_gluon_e4m3's stacked form:
-# 346.4 us against 389.2 for two chains at B64 ctx8K p16 (H200, 14:09 UTC); P always split
-STACKED = True
-# V^T as key pairs (``mla_gluon_e4m3._transpose_pairs``: two byte permutes per 4 pairs, whole
-# 16-bit stores) and keys zeroed only on a split's last tile or a tile behind a bad block id
-# (elsewhere every key of the tile is written cache), as the MLA e4m3 kernel does; False: the
-# compiler's byte shuffle with a select per byte on every tile. sm_90 compile: a common tile
-# ~316 SASS instructions against 484, same registers and shared memory (docs/kernels.md,
-# "GQA fp8, lean V^T"). Off until it has run on a GPU
-LEAN_V = False
 # registers per thread of the launch (256 threads: the copy warp is padded to a warpgroup,
 # whose registers mostly go to the compute warpgroup: 104 of them at 64) by the MMA's N:
 # the smallest without spills in the sm_90 compile (64: 4 programs per SM)
@@ -101,8 +85,8 @@ def _loader(args, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexp
     """One warp: the TMA copies of tile t (one 16-slot box of K and of V per 16 keys) into
     ring slot t % STAGES once the compute warpgroup has released it; bad block ids read
     page 0 (their keys are masked)."""
-    (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
-     table_row, s_lo, s_hi, n_tiles, num_blocks, col) = args[:17]
+    (qh_smem, k_ring, v_ring, vt_smem, pt_smem, ready, empty, kd, vd,
+     table_row, s_lo, s_hi, n_tiles, num_blocks, col) = args[:15]
     for t in range(n_tiles):
         stage = t % STAGES
         n0 = s_lo + t * BLOCK_N
@@ -123,23 +107,22 @@ def _loader(args, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexp
 @gluon.jit
 def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, CHECK: gl.constexpr,
-             P_SPLIT: gl.constexpr, STACKED: gl.constexpr, LEAN_V: gl.constexpr):
+             CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr, CHECK: gl.constexpr):
     """The warpgroup: queries to e4m3, then per tile S^T = K Q^T (keys on the MMA's M),
     V^T in shared memory, the online softmax, O^T = O^T alpha + V^T P^T (the product in a
     fresh accumulator); writes its workspace split."""
-    (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
+    (qh_smem, k_ring, v_ring, vt_smem, pt_smem, ready, empty, kd, vd,
      table_row, s_lo, s_hi, n_tiles, num_blocks, col, q_ptr, q_start, q_len, seq_len, kvh,
      stride_qt, stride_qh, draft, qk_scale, v_scale, flag_ptr, heads, num_splits, split,
      ws_o, ws_m, ws_l) = args
     t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
-    # STACKED: the accumulators of hi and lo side by side ([keys or dims, 2 x pairs])
+    # the accumulators of hi and lo side by side ([keys or dims, 2 x pairs])
     t2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                    instr_shape=[16, 2 * BLOCK_M, 32])
-    # V tile [keys, dims] -> registers (16 dims of 4 keys per thread) -> V^T in shared memory
+    # a masked tile's V [keys, dims] -> registers (16 dims of 4 keys per thread) -> V^T
     v_l: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
-    # LEAN_V: 2 keys x 16 dims a thread, the 64 keys across a warp's lanes (_transpose_pairs);
+    # the other tiles' V^T: 2 keys x 16 dims a thread, the 64 keys across a warp's lanes (_transpose_pairs);
     # V^T seen as [D, BLOCK_N / 2] int16 key pairs (the same bytes); the tile's 16-key boxes'
     # block ids held whole by every thread (a reduction without crossing threads)
     vp_l: gl.constexpr = gl.BlockedLayout([2, 16], [32, 1], [1, 4], [1, 0])
@@ -163,12 +146,9 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     sq = gl.where(amax > 0, amax / 448.0, 1.0)
     y = q / sq[:, None]
     qh = y.to(e4)
-    if STACKED:  # rows [0, BLOCK_M) hi, [BLOCK_M, 2 BLOCK_M) lo of one operand (P split too)
-        qh_smem.slice(0, BLOCK_M, dim=0).store(qh)
-        qh_smem.slice(BLOCK_M, BLOCK_M, dim=0).store((y - qh.to(gl.float32)).to(e4))
-    else:
-        qh_smem.store(qh)
-        ql_smem.store((y - qh.to(gl.float32)).to(e4))
+    # rows [0, BLOCK_M) hi, [BLOCK_M, 2 BLOCK_M) lo of one operand (P's too)
+    qh_smem.slice(0, BLOCK_M, dim=0).store(qh)
+    qh_smem.slice(BLOCK_M, BLOCK_M, dim=0).store((y - qh.to(gl.float32)).to(e4))
     fence_async_shared()
     gl.thread_barrier()
     pair_scale = gl.convert_layout(sq, per_pair) * qk_scale
@@ -178,25 +158,17 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_pair)
     # row sums kept per thread and reduced once at the end: only the maxima cross the warps
     l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
-    if STACKED:
-        s0 = gl.zeros([BLOCK_N, 2 * BLOCK_M], gl.float32, layout=t2_l)
-        o0 = gl.zeros([D, 2 * BLOCK_M], gl.float32, layout=t2_l)
-        acc = _half_sum(o0)  # [D, pairs] in the layout of the hi + lo sums
-    else:
-        acc = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
-        o0 = gl.zeros([D, BLOCK_M], gl.float32, layout=t_l)
-        s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    s0 = gl.zeros([BLOCK_N, 2 * BLOCK_M], gl.float32, layout=t2_l)
+    o0 = gl.zeros([D, 2 * BLOCK_M], gl.float32, layout=t2_l)
+    acc = _half_sum(o0)  # [D, pairs] in the layout of the hi + lo sums
     kn = gl.arange(0, BLOCK_N, layout=per_key)
     kv = gl.arange(0, BLOCK_N, layout=v_key)
-    if LEAN_V:
-        gl.static_assert(BLOCK_N == 64)  # _transpose_pairs' [64 keys, 128 columns] chunks
-        vt16 = vt_smem._reinterpret(gl.int16, [D, BLOCK_N // 2], vt16_l)
-        boxes = gl.arange(0, BLOCK_N // 16, layout=box_l) * 16
+    gl.static_assert(BLOCK_N == 64)  # _transpose_pairs' [64 keys, 128 columns] chunks
+    vt16 = vt_smem._reinterpret(gl.int16, [D, BLOCK_N // 2], vt16_l)
+    boxes = gl.arange(0, BLOCK_N // 16, layout=box_l) * 16
     for it in range(n_tiles):
         stage = it % STAGES
         n0 = s_lo + it * BLOCK_N
-        if not LEAN_V:
-            ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
         ok, page = _key_ok(table_row, n0 + kn, s_hi, num_blocks, PAGE)
         if CHECK:
             bad = (n0 + kn < s_hi) & ((page < 0) | (page >= num_blocks))
@@ -206,28 +178,22 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
         k_tile = k_ring.index(stage)
         s = warpgroup_mma(k_tile, qh_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
-        if not STACKED:
-            s = warpgroup_mma(k_tile, ql_smem.permute((1, 0)), s, is_async=True)
-        # while the score MMAs run: V^T of the slot, keys not read zeroed (NaN-filled slots
-        # would survive a zero probability)
-        if LEAN_V:
-            # every key of a tile before the split's end behind good block ids is written
-            # cache: zeroing only the split's last tile or one behind a bad id
-            kb = n0 + boxes
-            pg = gl.load(table_row + kb // PAGE, mask=kb < s_hi, other=0)
-            bad = gl.max(((pg < 0) | (pg >= num_blocks)).to(gl.int32), 0)
-            if (n0 + BLOCK_N > s_hi) | (bad != 0):
-                ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
-                _masked_vt(v_ring.index(stage), vt_smem, ok_v, v_l)
-            else:
-                _transpose_pairs(v_ring.index(stage), vt16, vt16, D, D, vp_l)
-        else:
+        # while the score MMA runs: V^T of the slot, keys not read zeroed (NaN-filled slots
+        # would survive a zero probability). Every key of a tile before the split's end
+        # behind good block ids is written cache: only the split's last tile or one behind
+        # a bad id is zeroed
+        kb = n0 + boxes
+        pg = gl.load(table_row + kb // PAGE, mask=kb < s_hi, other=0)
+        bad = gl.max(((pg < 0) | (pg >= num_blocks)).to(gl.int32), 0)
+        if (n0 + BLOCK_N > s_hi) | (bad != 0):
+            ok_v, _ = _key_ok(table_row, n0 + kv, s_hi, num_blocks, PAGE)
             _masked_vt(v_ring.index(stage), vt_smem, ok_v, v_l)
+        else:
+            _transpose_pairs(v_ring.index(stage), vt16, vt16, D, D, vp_l)
         s = warpgroup_mma_wait(0, deps=[s])
         gl.thread_barrier()  # every warp's V read and the scores' K read: release the slot
         mbarrier.arrive(empty.index(stage), count=1)
-        if STACKED:
-            s = gl.convert_layout(_half_sum(s), t_l)
+        s = gl.convert_layout(_half_sum(s), t_l)
         seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
         s = gl.where(seen, s * pair_scale[None, :], float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 0))
@@ -238,17 +204,10 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         m_i = m_new
         p8 = p.to(e4)
         pq = p8.to(gl.float32)
-        if STACKED:
-            p8l = (p - pq).to(e4)
-            pq = pq + p8l.to(gl.float32)
-            pt_smem.slice(0, BLOCK_M, dim=0).store(gl.permute(p8, (1, 0)))
-            pt_smem.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(p8l, (1, 0)))
-        else:
-            pt_smem.store(gl.permute(p8, (1, 0)))
-            if P_SPLIT:
-                p8l = (p - pq).to(e4)
-                pq = pq + p8l.to(gl.float32)
-                pl_smem.store(gl.permute(p8l, (1, 0)))
+        p8l = (p - pq).to(e4)
+        pq = pq + p8l.to(gl.float32)
+        pt_smem.slice(0, BLOCK_M, dim=0).store(gl.permute(p8, (1, 0)))
+        pt_smem.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(p8l, (1, 0)))
         l_acc = l_acc * alpha[None, :] + pq
         fence_async_shared()
         gl.thread_barrier()  # V^T and P stored by every warp
@@ -256,14 +215,9 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         # registers: e4m3 MMAs add into their accumulator with limited precision, so a
         # running sum over thousands of keys there loses the small tiles' bits
         o = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), o0, use_acc=False, is_async=True)
-        if P_SPLIT and not STACKED:
-            o = warpgroup_mma(vt_smem, pl_smem.permute((1, 0)), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=[o])
-        if STACKED:
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout))[None, :] \
-                + _half_sum(o)
-        else:
-            acc = acc * alpha[None, :] + o
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout))[None, :] \
+            + _half_sum(o)
         gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
 
     row = m_r // GROUP
@@ -271,19 +225,14 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
     rmask = row < q_len
     gl.store(ws_m + base, m_i, mask=rmask)
     gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
-    if STACKED:  # the output in the sums' layout
-        o_l: gl.constexpr = acc.type.layout
-        m_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
-        row_o = m_o // GROUP
-        base_o = ((q_start + row_o).to(gl.int64) * heads + kvh * GROUP + m_o % GROUP) \
-            * num_splits + split
-        co = gl.arange(0, D, layout=gl.SliceLayout(1, o_l))
-        gl.store(ws_o + base_o[None, :] * D + co[:, None], acc * (v_scale / 256.0),
-                 mask=(row_o < q_len)[None, :])
-    else:
-        co = gl.arange(0, D, layout=per_key)
-        gl.store(ws_o + base[None, :] * D + co[:, None], acc * (v_scale / 256.0),
-                 mask=rmask[None, :])
+    o_l: gl.constexpr = acc.type.layout  # the output in the sums' layout
+    m_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
+    row_o = m_o // GROUP
+    base_o = ((q_start + row_o).to(gl.int64) * heads + kvh * GROUP + m_o % GROUP) \
+        * num_splits + split
+    co = gl.arange(0, D, layout=gl.SliceLayout(1, o_l))
+    gl.store(ws_o + base_o[None, :] * D + co[:, None], acc * (v_scale / 256.0),
+             mask=(row_o < q_len)[None, :])
 
 
 @gluon.jit
@@ -294,7 +243,6 @@ def _paged_decode_gluon(
     GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_DRAFT: gl.constexpr, SCALES_IN_MEMORY: gl.constexpr, CHECK: gl.constexpr,
-    P_SPLIT: gl.constexpr, STACKED: gl.constexpr = False, LEAN_V: gl.constexpr = False,
 ):
     """Program (sequence, KV head, split): this split's keys for the sequence's pairs of
     this KV head; writes split ``split`` of the workspace."""
@@ -302,11 +250,9 @@ def _paged_decode_gluon(
     f8: gl.constexpr = kd.dtype
     e4: gl.constexpr = gl.float8e4nv
     vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], e4)
-    PAIR_ROWS: gl.constexpr = 2 * BLOCK_M if STACKED else BLOCK_M  # hi (+ lo) rows
+    PAIR_ROWS: gl.constexpr = 2 * BLOCK_M  # hi and lo rows
     pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIR_ROWS, BLOCK_N], e4)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIR_ROWS, D], e4)
-    ql_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], e4)
-    pl_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], e4)
     r_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     gl.static_assert(BLOCK_M <= 32)
 
@@ -320,13 +266,10 @@ def _paged_decode_gluon(
     seq_len = gl.load(lens_ptr + b)
 
     qh_smem = gl.allocate_shared_memory(e4, [PAIR_ROWS, D], q_layout)
-    ql_smem = gl.allocate_shared_memory(e4, [8 if STACKED else BLOCK_M, D], ql_layout)
     k_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], kd.layout)
     v_ring = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, D], vd.layout)
     vt_smem = gl.allocate_shared_memory(f8, [D, BLOCK_N], vt_layout)
     pt_smem = gl.allocate_shared_memory(e4, [PAIR_ROWS, BLOCK_N], pt_layout)
-    pl_smem = gl.allocate_shared_memory(e4, [BLOCK_M if P_SPLIT and not STACKED else 8, BLOCK_N],
-                                        pl_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -349,13 +292,13 @@ def _paged_decode_gluon(
     else:
         k_scale = k_scale_f
         v_scale = v_scale_f
-    args = (qh_smem, ql_smem, k_ring, v_ring, vt_smem, pt_smem, pl_smem, ready, empty, kd, vd,
+    args = (qh_smem, k_ring, v_ring, vt_smem, pt_smem, ready, empty, kd, vd,
             table_row, s_lo, s_hi, n_tiles, num_blocks, kvh * D, q_ptr, q_start, q_len,
             seq_len, kvh, stride_qt, stride_qh, draft,
             scale * k_scale * 1.4426950408889634, v_scale, flag_ptr, heads, num_splits, split,
             ws_o, ws_m, ws_l)
     gl.warp_specialize([(_compute, (args, GROUP, PAGE, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                                    HAS_DRAFT, CHECK, P_SPLIT, STACKED, LEAN_V)),
+                                    HAS_DRAFT, CHECK)),
                         (_loader, (args, PAGE, BLOCK_N, STAGES))],
                        [1], [LOADER_REGS])
 
@@ -428,8 +371,7 @@ class _GluonLaunch:
 
 
 def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query_len, splits, stages,
-              in_memory, check, p_split=None, block_n=None, maxnreg=None, stacked=None,
-              lean_v=None):
+              in_memory, check, block_n=None, maxnreg=None):
     """(grid, scalars, constexprs) of one launch; the caller wraps them in a ``Launch``."""
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -442,8 +384,6 @@ def plan_args(q, k_cache, batch, table, mask, scale, k_scale, v_scale, max_query
     consts = dict(GROUP=group, PAGE=block_size, D=dim, BLOCK_M=consts_m,
                   BLOCK_N=block_n or BLOCK_N, STAGES=stages or STAGES, CAUSAL=mask.causal,
                   HAS_DRAFT=mask.draft_block is not None, SCALES_IN_MEMORY=in_memory,
-                  CHECK=check, P_SPLIT=P_SPLIT if p_split is None else p_split,
-                  STACKED=STACKED if stacked is None else stacked,
-                  LEAN_V=LEAN_V if lean_v is None else lean_v,
+                  CHECK=check,
                   num_warps=4, maxnreg=maxnreg or MAXNREG[consts_m])
     return grid, scalars, consts
