@@ -48,10 +48,12 @@ Usage: python benchmarks/engine_metadata.py [--batches 64,256] [--steps N] [--wa
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
 import itertools
 import os
 import platform
+import pstats
 import random
 import statistics
 import sys
@@ -107,11 +109,12 @@ def baseline_call(runner, base, chunks, extra):
         runner.sync = own
 
 
-def breakdown(sched, runner, steps: int, base=None) -> dict:
+def breakdown(sched, runner, steps: int, base=None, prof=None) -> dict:
     """The persistent build alone, ``steps`` decode steps back to back (warm): medians of
     the whole build, the builder's ``step`` and its ``append_each`` calls (the rest is
     TableSync's per-request checks). With ``base``, its build on the same steps too (the
-    order alternating): its median and the median of persistent / baseline per step."""
+    order alternating): its median and the median of persistent / baseline per step. With
+    ``prof`` (a ``cProfile.Profile``), the persistent builds run under it."""
     builder = runner.sync.builder
     parts = {"build": [], "builder.step": [], "append_each": [], "schedule": [], "update": []}
     other = []
@@ -139,9 +142,13 @@ def breakdown(sched, runner, steps: int, base=None) -> dict:
                 t0 = time.perf_counter()
                 baseline_call(runner, base, plan.chunks, extra)
                 other.append(time.perf_counter() - t0)
+            if prof is not None:
+                prof.enable()
             t0 = time.perf_counter()
             runner.step_metadata(plan.chunks, extra)
             parts["build"][-1] = time.perf_counter() - t0
+            if prof is not None:
+                prof.disable()
             if base is not None and len(other) < len(parts["build"]):
                 t0 = time.perf_counter()
                 baseline_call(runner, base, plan.chunks, extra)
@@ -157,6 +164,19 @@ def breakdown(sched, runner, steps: int, base=None) -> dict:
         out["baseline"] = statistics.median(other) * 1e6
         out["pair"] = statistics.median(p / b for p, b in zip(parts["build"], other))
     return out
+
+
+def print_profile(prof, steps: int, top: int = 18) -> None:
+    """The profiled builds' functions with the most own time, in us per step."""
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tt, ct, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    total = sum(v[2] for v in stats.values()) * 1e6 / steps
+    print(f"cProfile of the persistent builds: {total:.1f} us/step in all (profiled); "
+          "own time / cumulative per step, calls per step:")
+    for (file, line, name), (_, ncalls, tt, ct, _) in rows:
+        where = f"{os.path.basename(file)}:{line}" if line else file
+        print(f"  {tt * 1e6 / steps:7.1f} {ct * 1e6 / steps:7.1f} {ncalls / steps:6.1f}  "
+              f"{name} ({where})")
 
 
 def load_baseline(path: str):
@@ -178,7 +198,7 @@ def same(a, b) -> None:
 
 
 def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: bool | None,
-        split: bool = False, baseline=None, device: str = "cpu") -> dict:
+        split: bool = False, baseline=None, device: str = "cpu", prof=None) -> dict:
     engine = make_engine(hf, batch, max_model_len, derive, device)
     rng = random.Random(batch)
     vocab = engine.vocab_size
@@ -231,7 +251,7 @@ def run(hf, batch: int, steps: int, warmup: int, max_model_len: int, derive: boo
         sampled = {c.request.rid: [1] for c in plan.chunks if c.samples}
         sched.update(plan, sampled)
     builder = runner.sync.builder
-    parts = breakdown(sched, runner, steps, base) if split else None
+    parts = breakdown(sched, runner, steps, base, prof) if split else None
     return {"times": times, "parts": parts, "derived": builder.derived_steps,
             "width": builder.max_blocks, "added": runner.sync.added,
             "rewritten": runner.sync.rewritten}
@@ -247,6 +267,10 @@ def main(argv=None) -> int:
                              "decode too), rounded up to 16")
     parser.add_argument("--breakdown", action="store_true",
                         help="then as many persistent steps alone, warm: where the time goes")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --breakdown: its persistent builds under cProfile, the "
+                             "functions with the most own time per step (the timings of "
+                             "that breakdown then include the profiler's cost)")
     parser.add_argument("--baseline", metavar="FILE",
                         help="another engine/stepmeta.py whose TableSync runs on the same "
                              "steps too (see the module doc)")
@@ -273,10 +297,11 @@ def main(argv=None) -> int:
           "table width |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batches.split(",")):
+        prof = cProfile.Profile() if args.profile and args.breakdown else None
         r = run(hf, batch, args.steps, args.warmup, args.max_model_len,
-                args.derive_on_device or None, args.breakdown, baseline, args.device)
+                args.derive_on_device or None, args.breakdown, baseline, args.device, prof)
         if r["parts"]:
-            breakdowns.append((batch, r["parts"]))
+            breakdowns.append((batch, r["parts"], prof))
         t = r["times"]
         med = {k: statistics.median(v) for k, v in t.items()}
         p10 = {k: float(np.percentile(v, 10)) for k, v in t.items()}
@@ -292,7 +317,7 @@ def main(argv=None) -> int:
     for batch, m, p, ratio, pair in baselines:
         print(f"\nbatch {batch}, baseline {args.baseline}: {m:.0f} us ({p:.0f}), "
               f"ratio {ratio:.3f}; persistent / baseline per step: median {pair:.3f}")
-    for batch, parts in breakdowns:
+    for batch, parts, prof in breakdowns:
         rest = parts["build"] - parts["builder.step"] - parts["append_each"]
         print(f"\nbatch {batch}, persistent alone ({args.steps} steps, warm, medians): build "
               f"{parts['build']:.0f} us = builder.step {parts['builder.step']:.0f} + "
@@ -303,6 +328,8 @@ def main(argv=None) -> int:
             print(f"baseline alone, the same steps (the order alternating): build "
                   f"{parts['baseline']:.0f} us; persistent / baseline per step: median "
                   f"{parts['pair']:.3f}")
+        if prof is not None:
+            print_profile(prof, args.steps)
     print(f"\n{len(t['stateless'])} timed decode steps per batch after {args.warmup} untimed; "
           f"persistent output equal to build_metadata on every 10th step"
           + (" (and the baseline's to it)" if baseline is not None else ""))
