@@ -399,13 +399,16 @@ GLUON_CONFIGS = [dict(gluon=True, splits=sp) for sp in (1, 2, 4)] + [
     dict(gluon=True, splits=1, num_stages=st, maxnreg=r) for st, r in ((2, 80), (3, 80), (4, 128))]
 
 
-def fp8_gluon_case(batch, ctx, page=16, hq=32, hkv=8, dim=128) -> None:
+def fp8_gluon_case(batch, ctx, page=16, hq=32, hkv=8, dim=128, q_len=1) -> None:
     """bf16 cache vs fp8 (e4m3, per-tensor scales) with the Triton kernel and with the Gluon
     kernel (``gluon=True``, its defaults, then ``GLUON_CONFIGS``), one shape, same run; prints
-    each fp8 row's speed-up over the bf16 row (eager, and CUDA-graph replays with --graphs)."""
-    q, k, v, qsl, lens, table = gqa_inputs(batch, ctx, 1, page, hq, hkv, dim)
-    kw = dict(max_query_len=1, max_seq_len=ctx)
-    flops = 4.0 * batch * hq * ctx * dim
+    each fp8 row's speed-up over the bf16 row (eager, and CUDA-graph replays with --graphs).
+    ``q_len`` > 1: a non-causal draft block of that many tokens per request."""
+    q, k, v, qsl, lens, table = gqa_inputs(batch, ctx, q_len, page, hq, hkv, dim)
+    kw = dict(max_query_len=q_len, max_seq_len=ctx)
+    if q_len > 1:
+        kw["mask"] = Mask(causal=False, draft_block=q_len)
+    flops = 4.0 * batch * q_len * hq * ctx * dim
     times = {}
 
     def rec(case, name, fn, nbytes, ref):
@@ -417,7 +420,7 @@ def fp8_gluon_case(batch, ctx, page=16, hq=32, hkv=8, dim=128) -> None:
                 if us is not None:
                     times[(case, name + "[graph]")] = us
 
-    base = f"gqa B{batch} ctx{ctx} q1 p{page}"
+    base = f"gqa B{batch} ctx{ctx} q{q_len}{'nc' if q_len > 1 else ''} p{page}"
     nb16 = 2 * batch * ctx * hkv * dim * 2
     rec(base, "pagedkv_triton", lambda: paged_attention(q, k, v, qsl, lens, table, **kw), nb16, None)
     k8, ks = to_fp8(k)
@@ -684,6 +687,9 @@ def main(argv=None) -> int:
                              "target's shapes (benchmarks/fp8_peers.py)")
     parser.add_argument("--fp8-gluon", help="only bf16 vs fp8 Triton vs fp8 Gluon decode rows "
                         "on these shapes, e.g. 64x8192,64x32768 (batch x context [x page])")
+    parser.add_argument("--fp8-q-len", type=int, default=1,
+                        help="--fp8-gluon: query tokens per request (> 1: a non-causal draft "
+                             "block of that many)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("pagedkv: error: benchmarks/attention.py needs a CUDA device", file=sys.stderr)
@@ -709,7 +715,7 @@ def main(argv=None) -> int:
     elif args.fp8_gluon:
         for spec in args.fp8_gluon.split(","):
             b, c, *p = (int(x) for x in spec.split("x"))
-            fp8_gluon_case(b, c, page=p[0] if p else 16)
+            fp8_gluon_case(b, c, page=p[0] if p else 16, q_len=args.fp8_q_len)
     elif args.gqa_shapes and args.only != "mla":
         GQA_COMPARE["gqa"] = []
         for spec in args.gqa_shapes.split(","):
