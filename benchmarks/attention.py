@@ -176,17 +176,17 @@ def e4m3_form(form: tuple[int, bool, int] | None):
 GQA_FP8_FORMS = ((False, False), (True, False), (True, True))
 
 
-# --gluon, MLA fp8_ds_mla: the Gluon kernel (mla_gluon_ds, switched on for these rows only) at
-# each ring depth of PAGEDKV_BENCH_DS (a comma list, default 4,3), beside the Triton kernel
-DS_STAGES = [int(x) for x in os.environ.get("PAGEDKV_BENCH_DS", "4,3").split(",") if x]
+# --gluon, MLA fp8_ds_mla: the Triton kernel (gluon=False) and the Gluon kernel (mla_gluon_ds,
+# the default on Hopper) at each ring depth of PAGEDKV_BENCH_DS (a comma list, default 3,4)
+DS_STAGES = [int(x) for x in os.environ.get("PAGEDKV_BENCH_DS", "3,4").split(",") if x]
 
 
 def ds_form(stages: int):
-    """``mla_gluon_ds`` on, with ``stages`` ring slots, for the block."""
+    """``mla_gluon_ds`` with ``stages`` ring slots for the block."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_ds as ds
 
-    return kernel_switches(ds, triton_mla._GLUON_PLANS, ENABLED=True, STAGES=stages)
+    return kernel_switches(ds, triton_mla._GLUON_PLANS, STAGES=stages)
 
 
 def gqa_fp8_form(stacked: bool, lean_v: bool):
@@ -622,7 +622,11 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
             with e4m3_form(form):
                 if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                     record_graphed(case, name, fn, nbytes, flops)
-    if fmt == "fp8_ds_mla" and GLUON[0]:  # the Gluon kernel, not on by default (GPU-untested)
+    if fmt == "fp8_ds_mla" and GLUON[0]:  # the Triton kernel, the Gluon one per ring depth
+        fn = lambda: run(gluon=False)  # noqa: E731
+        if record(case, config_name({"gluon": False}), fn, nbytes, ref, flops) is not None \
+                and graph:
+            record_graphed(case, config_name({"gluon": False}), fn, nbytes, flops)
         for stages in DS_STAGES:
             name = f"pagedkv_gluon_ds[stages={stages}]"
             fn = lambda: run(gluon=True)  # noqa: E731
@@ -689,8 +693,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gluon", action="store_true",
                         help="MLA bf16: also gluon=False (Triton kernels) and each 64-row Gluon "
                              "variant; MLA fp8: also each fp8 Gluon kernel (widen, e4m3) and the "
-                             "e4m3 sweep (PAGEDKV_BENCH_E4M3); MLA fp8_ds_mla: also the Gluon "
-                             "kernel mla_gluon_ds, switched on, per ring depth (PAGEDKV_BENCH_DS)")
+                             "e4m3 sweep (PAGEDKV_BENCH_E4M3); MLA fp8_ds_mla: also the Triton "
+                             "kernel (gluon=False) and the Gluon kernel mla_gluon_ds per ring "
+                             "depth (PAGEDKV_BENCH_DS)")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")

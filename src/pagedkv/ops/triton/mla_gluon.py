@@ -434,7 +434,7 @@ def descriptors(cache: torch.Tensor, latent_box: int = RANK):
 def supported(q_latent, q_rope, cache, mask, latent_scale, rows: int = 1) -> str | None:
     """Why the Gluon kernel cannot take this call (None: it can); ``rows``: query rows per
     request (q_len x heads). Device checks last."""
-    if cache.dtype == torch.uint8:  # fp8_ds_mla: its own kernel, behind a switch
+    if cache.dtype == torch.uint8:  # fp8_ds_mla: its own kernel
         from pagedkv.ops.triton import mla_gluon_ds
 
         return mla_gluon_ds.supported(q_latent, q_rope, cache, mask, rows)
