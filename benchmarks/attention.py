@@ -130,19 +130,21 @@ GLUON_VARIANTS = [{"gluon": False}] + [
 # PAGEDKV_BENCH_MLA_FAMILIES: a comma list of the MLA families to run (mla_q1, mla_rows,
 # mla_h128, mla_ds, mla_fp8; default all)
 MLA_FAMILIES = [f for f in os.environ.get("PAGEDKV_BENCH_MLA_FAMILIES", "").split(",") if f]
-# --gluon, MLA fp8: after each kernel of mla_gluon.FP8_VARIANTS, the e4m3 kernel in other
-# forms (PAGEDKV_BENCH_E4M3: a comma list of stages:splits:stacked[:warpgroups], splits 0 =
-# the default, warpgroups 1 when left out; 2 = the two-warpgroup kernel, stacked not read)
+# --gluon, MLA fp8: after the e4m3 kernel as it is (mla_gluon.FP8_VARIANTS), the same kernel
+# at other ring depths and splits (PAGEDKV_BENCH_E4M3: a comma list of stages:splits, splits
+# 0 = the default)
 
 
-def _e4m3_form(spec: str) -> tuple[dict, tuple[int, bool, int]]:
-    st, sp, stacked, *wg = spec.split(":")
-    return ({"gluon": "e4m3", **({"splits": int(sp)} if int(sp) else {})},
-            (int(st), stacked == "1", int(wg[0]) if wg else 1))
+def _e4m3_form(spec: str) -> tuple[dict, int]:
+    if spec.count(":") != 1:
+        raise SystemExit(f"PAGEDKV_BENCH_E4M3 entry {spec!r}: stages:splits (the stacked and "
+                         "warpgroups fields went with the deleted forms)")
+    st, sp = spec.split(":")
+    return {"gluon": "e4m3", **({"splits": int(sp)} if int(sp) else {})}, int(st)
 
 
 E4M3_SWEEP = [_e4m3_form(x) for x in os.environ.get(
-    "PAGEDKV_BENCH_E4M3", "3:0:0,2:0:0,4:4:0,4:0:1,3:0:1").split(",") if x]
+    "PAGEDKV_BENCH_E4M3", "3:0,2:0,4:4").split(",") if x]
 
 
 @contextlib.contextmanager
@@ -161,28 +163,26 @@ def kernel_switches(module, plans: dict, **values):
         plans.clear()
 
 
-def e4m3_form(form: tuple[int, bool, int] | None):
-    """The e4m3 MLA kernel's (ring slots, stacked, warpgroups) set to ``form`` (None: as
-    they are) for the block."""
+def e4m3_form(stages: int | None):
+    """The e4m3 MLA kernel's ring slots set to ``stages`` (None: as they are) for the
+    block."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_e4m3 as e4
 
-    st, stacked, wg = form or (e4.STAGES, e4.STACKED, e4.WARPGROUPS)
-    return kernel_switches(e4, triton_mla._GLUON_PLANS, STAGES=st, STACKED=stacked,
-                           WARPGROUPS=wg)
+    return kernel_switches(e4, triton_mla._GLUON_PLANS, STAGES=stages or e4.STAGES)
 
 
-# --gluon, MLA fp8_ds_mla: the Gluon kernel (mla_gluon_ds, switched on for these rows only) at
-# each ring depth of PAGEDKV_BENCH_DS (a comma list, default 4,3), beside the Triton kernel
-DS_STAGES = [int(x) for x in os.environ.get("PAGEDKV_BENCH_DS", "4,3").split(",") if x]
+# --gluon, MLA fp8_ds_mla: the Triton kernel (gluon=False) and the Gluon kernel (mla_gluon_ds,
+# the default on Hopper) at each ring depth of PAGEDKV_BENCH_DS (a comma list, default 3,4)
+DS_STAGES = [int(x) for x in os.environ.get("PAGEDKV_BENCH_DS", "3,4").split(",") if x]
 
 
 def ds_form(stages: int):
-    """``mla_gluon_ds`` on, with ``stages`` ring slots, for the block."""
+    """``mla_gluon_ds`` with ``stages`` ring slots for the block."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_ds as ds
 
-    return kernel_switches(ds, triton_mla._GLUON_PLANS, ENABLED=True, STAGES=stages)
+    return kernel_switches(ds, triton_mla._GLUON_PLANS, STAGES=stages)
 
 
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
@@ -594,16 +594,18 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
             fn = lambda over=over: run(**over)  # noqa: E731
             if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                 record_graphed(case, name, fn, nbytes, flops)
-    if fmt == "fp8" and GLUON[0]:  # each <= 16-row fp8 Gluon kernel, then the e4m3 sweep
-        for over, form in [({"gluon": v}, None) for v in mla_gluon.FP8_VARIANTS] + E4M3_SWEEP:
-            name = config_name(over) + (f"[stages={form[0]},stacked={int(form[1])}"
-                                        f"{',warpgroups=2' if form[2] == 2 else ''}]"
-                                        if form else "")
+    if fmt == "fp8" and GLUON[0]:  # the e4m3 Gluon kernel by name, then its sweep
+        for over, stages in [({"gluon": v}, None) for v in mla_gluon.FP8_VARIANTS] + E4M3_SWEEP:
+            name = config_name(over) + (f"[stages={stages}]" if stages else "")
             fn = lambda over=over: run(**over)  # noqa: E731
-            with e4m3_form(form):
+            with e4m3_form(stages):
                 if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                     record_graphed(case, name, fn, nbytes, flops)
-    if fmt == "fp8_ds_mla" and GLUON[0]:  # the Gluon kernel, not on by default (GPU-untested)
+    if fmt == "fp8_ds_mla" and GLUON[0]:  # the Triton kernel, the Gluon one per ring depth
+        fn = lambda: run(gluon=False)  # noqa: E731
+        if record(case, config_name({"gluon": False}), fn, nbytes, ref, flops) is not None \
+                and graph:
+            record_graphed(case, config_name({"gluon": False}), fn, nbytes, flops)
         for stages in DS_STAGES:
             name = f"pagedkv_gluon_ds[stages={stages}]"
             fn = lambda: run(gluon=True)  # noqa: E731
@@ -669,9 +671,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-mla-sweep", action="store_true", help="MLA: launch defaults only")
     parser.add_argument("--gluon", action="store_true",
                         help="MLA bf16: also gluon=False (Triton kernels) and each 64-row Gluon "
-                             "variant; MLA fp8: also each fp8 Gluon kernel (widen, e4m3) and the "
-                             "e4m3 sweep (PAGEDKV_BENCH_E4M3); MLA fp8_ds_mla: also the Gluon "
-                             "kernel mla_gluon_ds, switched on, per ring depth (PAGEDKV_BENCH_DS)")
+                             "variant; MLA fp8: also the e4m3 Gluon kernel by name and its "
+                             "sweep (PAGEDKV_BENCH_E4M3); MLA fp8_ds_mla: also the Triton kernel "
+                             "(gluon=False) and the Gluon kernel mla_gluon_ds per ring depth "
+                             "(PAGEDKV_BENCH_DS)")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")

@@ -3,9 +3,9 @@
 on any machine (no GPU needed): run it before and after a refactor that should not change
 what the GPU runs, and compare (the compile is deterministic).
 
-Configurations: the GQA fp8 kernel (``decode_gluon``) at 8 / 16 / 32 (row, head) pairs; the MLA kernels (``mla_gluon``: 64-row
-serial, ping-pong over half-tile slots, the transposed <= 16-row kernel for bf16 and for fp8
-widened; ``mla_gluon_e4m3`` in its three forms).
+Configurations: the GQA fp8 kernel (``decode_gluon``) at 8 / 16 / 32 (row, head) pairs; the
+MLA kernels (``mla_gluon``: 64-row serial, ping-pong over half-tile slots, the transposed
+<= 16-row kernel for bf16; ``mla_gluon_e4m3``; ``mla_gluon_ds`` on bf16 and fp16 queries).
 
 The SASS is not a function of the PTX's code alone: ptxas also reads the line info (moving
 a block into a helper, or lines above a kernel, can change the SASS with the same PTX
@@ -31,9 +31,8 @@ from cubin import dump  # noqa: E402
 
 GQA = ((8, "causal"), (16, "causal"), (32, "draft"))
 MLA = (("causal", "bf16", "rows"), ("causal", "bf16", "pingpong_halves"),
-       ("causal", "bf16", "swap"), ("draft", "fp8", "swap"), ("causal", "fp8", "e4m3_stacked"),
-       ("draft", "fp8", "e4m3_stacked"), ("causal", "fp8", "e4m3"),
-       ("causal", "fp8", "e4m3_2wg"))
+       ("causal", "bf16", "swap"), ("causal", "fp8", "e4m3"), ("draft", "fp8", "e4m3"),
+       ("causal", "bf16", "ds"), ("draft", "fp16", "ds"))
 
 
 def ptx_code(ptx: str) -> str:

@@ -5,13 +5,12 @@ local-memory accesses inside the key loop (SASS), and the count of each wgmma / 
 instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full]
-[bf16|fp16|fp8] [rows|pingpong_halves|swap|e4m3|e4m3_stacked|e4m3_2wg|ds] [stages] (fp8: an
-e4m3 cache, bf16 queries; swap and e4m3 only) (the serial 64-row kernel; the warp-specialized
-ping-pong kernel over half-tile slots; the transposed <= 16-row kernel; the <= 16-row kernel
-with both products on e4m3, ``mla_gluon_e4m3``: two chains, stacked, stacked on two
-warpgroups (8 warps), whose ring slots ``stages`` sets, default its ``STAGES``; ``ds``: the
-fp8_ds_mla kernel, ``mla_gluon_ds``, on bf16 or fp16 queries (the dtype argument), its ring
-slots ``stages``, default its ``STAGES``)
+[bf16|fp16|fp8] [rows|pingpong_halves|swap|e4m3|ds] [stages] (fp8: an e4m3 cache, bf16
+queries; e4m3 only) (the serial 64-row kernel; the warp-specialized ping-pong kernel over
+half-tile slots; the transposed <= 16-row kernel; the <= 16-row kernel with both products
+on e4m3, ``mla_gluon_e4m3``, whose ring slots ``stages`` sets, default its ``STAGES``;
+``ds``: the fp8_ds_mla kernel, ``mla_gluon_ds``, on bf16 or fp16 queries (the dtype
+argument), its ring slots ``stages``, default its ``STAGES``)
 (run without TRITON_INTERPRET: the interpreter replaces the JIT functions process-wide).
 """
 
@@ -34,14 +33,14 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
                 stages: str | None = None):
     if kernel == "ds":
         return compile_ds(mask, dtype, stages)
-    e4m3 = kernel in ("e4m3", "e4m3_stacked", "e4m3_2wg")
+    e4m3 = kernel == "e4m3"
     swap = kernel == "swap" or e4m3
     halves = kernel == "pingpong_halves"
-    fn = mla_gluon_e4m3._mla_gluon_e4m3_stacked if kernel == "e4m3_stacked" \
-        else mla_gluon_e4m3._mla_gluon_e4m3_2wg if kernel == "e4m3_2wg" \
-        else mla_gluon_e4m3._mla_gluon_e4m3 if e4m3 else mla_gluon._mla_gluon_swap if swap \
+    fn = mla_gluon_e4m3._mla_gluon_e4m3_stacked if e4m3 else mla_gluon._mla_gluon_swap if swap \
         else mla_gluon_pph._mla_gluon_pph if halves else mla_gluon._mla_gluon_fwd
-    fp8 = dtype == "fp8"  # an e4m3 cache, bf16 queries (the transposed kernel only)
+    if (dtype == "fp8") != e4m3:
+        raise SystemExit(f"{kernel} on {dtype}: the e4m3 kernel takes fp8 (an e4m3 cache) "
+                         "only, the others bf16 / fp16")
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[dtype]
     kd, rd = mla_gluon.descriptors(torch.empty(4, 64, mla_gluon.RANK + mla_gluon.ROPE, dtype=tdt),
                                    256 if halves else mla_gluon.RANK)
@@ -51,13 +50,11 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
     if e4m3:  # constexprs as plan passes them (one left out would compile as an i32 argument)
         const["STAGES"] = int(stages) if stages else mla_gluon_e4m3.STAGES
         const["PAIRS"] = mla_gluon_e4m3.PAIRS
-    elif swap:
-        const["WIDEN"] = fp8
     q = "*fp16" if dtype == "fp16" else "*bf16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
     src = gluon_source(fn, const, ptrs, {"kd": kd, "rd": rd}, ("scale", "lscale"))
-    options = {"num_warps": 8 if kernel == "e4m3_2wg" else 4 if swap or halves else 8}
+    options = {"num_warps": 4 if swap or halves else 8}
     if halves:
         options["maxnreg"] = mla_gluon_pph.PPH_MAXNREG
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -21,7 +21,7 @@ gluon_mod = pytest.importorskip("pagedkv.ops.triton.mla_gluon")
 from dense_reference import dense_mask, place_blocks, slots_of, test_device  # noqa: E402
 from kernel_cases import INTERPRETER_WARNINGS  # noqa: E402
 
-from pagedkv.errors import ConfigError, InvalidArgumentError  # noqa: E402
+from pagedkv.errors import InvalidArgumentError  # noqa: E402
 from pagedkv.ops import Mask, fill_nan_, write_mla_latent  # noqa: E402
 from pagedkv.ops.masks import CAUSAL  # noqa: E402
 from pagedkv.ops.triton.mla import launch_defaults, paged_mla_latent  # noqa: E402
@@ -91,45 +91,27 @@ def test_transposed_kernel_compiles_for_sm90_within_shared_memory_without_spills
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
 
 
-@pytest.mark.parametrize("mask", ["causal", "draft"])
-def test_fp8_transposed_kernel_compiles_for_sm90_without_spills(mask):
-    """An e4m3 cache: fp8 ring + one widened bf16 tile fit; the widening adds no spill and
-    the MMAs are the bf16 kernel's (36 score + 32 value m64n16k16)."""
-    use = compiled_for_sm90(mask, "fp8", "swap")
-    assert 0 < use["shared"] <= SHARED_LIMIT, use
-    assert use["loop_spills"] == 0 and use["LOCAL"] == 0 and use["STACK"] <= 64, use
-    assert use["ptx"].get("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == 68, use
-    assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
-    assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
-
-
-# wgmma instructions in each e4m3 form's PTX, by shape
-E4M3_MMAS = {"e4m3": {"m64n16k32": 68}, "e4m3_stacked": {"m64n32k32": 34},
-             "e4m3_2wg": {"m64n16k32": 18, "m64n32k32": 8}}
-
-
-@pytest.mark.parametrize("mask,stages,kernel", [
-    ("causal", None, "e4m3"), ("draft", "2", "e4m3"), ("full", "3", "e4m3"),
-    ("causal", None, "e4m3_stacked"), ("draft", "3", "e4m3_stacked"),
-    ("causal", None, "e4m3_2wg"), ("draft", "2", "e4m3_2wg"), ("full", "3", "e4m3_2wg")])
-def test_e4m3_kernel_compiles_for_sm90_without_spills(mask, stages, kernel):
+@pytest.mark.parametrize("mask,stages", [("causal", None), ("draft", "3"), ("full", "2")])
+def test_e4m3_kernel_compiles_for_sm90_without_spills(mask, stages):
     """Both products on e4m3: the ring (``STAGES`` slots, 4; also 2 and 3), the transposed
-    latent, hi + lo queries and P fit in shared memory; nothing spills; every MMA is e4m3.
-    Two chains: m64n16k32 (scores: 64 keys x 16 rows over 576 columns, hi and lo = 2 x 18;
-    values: 8 x m64 over 64 keys, P hi and lo = 2 x 16); stacked: hi and lo as N = 32,
-    m64n32k32 (18 + 16); two warpgroups (8 warps): scores split by rows, each warpgroup
-    N = 16 (its 8 rows' hi and lo: 18 m64n16k32), values split by dims (two V^T halves x
-    2 reps of 128 dims x 2 k-steps: 8 m64n32k32), half the accumulators per thread, so
-    well under the one-warpgroup forms' 255 registers."""
-    use = compiled_for_sm90(mask, "fp8", kernel, stages)
+    latent, hi + lo queries and P fit in shared memory; nothing spills; every MMA is e4m3,
+    hi and lo side by side as N = 32: m64n32k32, 18 for the scores (64 keys x 576 columns)
+    and 16 for the values (8 x m64 over 64 keys, two k-steps)."""
+    use = compiled_for_sm90(mask, "fp8", "e4m3", stages)
     assert 0 < use["shared"] <= SHARED_LIMIT, use
     assert use["loop_spills"] == 0 and use["LOCAL"] == 0 and use["STACK"] == 0, use
     wgmma = {k.split(".")[4]: n for k, n in use["ptx"].items() if k.startswith("wgmma")}
-    assert wgmma == E4M3_MMAS[kernel], use
+    assert wgmma == {"m64n32k32": 34}, use
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "e4m3.e4m3" not in k], use
     assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
-    if kernel == "e4m3_2wg":
-        assert use["REG"] <= 200, use
+
+
+def test_compile_script_refuses_an_fp8_cache_for_the_bf16_kernels():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, str(SCRIPT), "causal", "fp8", "swap"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "e4m3 kernel takes fp8" in out.stderr, out.stderr[-3000:]
 
 
 def test_rows_per_program():
@@ -252,26 +234,14 @@ FP8_CASES = [  # (heads, q_lens, seq_lens, mask, block size, splits): <= 16 rows
 
 @pytest.mark.parametrize("heads,q_lens,seq_lens,mask,block_size,splits", FP8_CASES)
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", [*gluon_mod.FP8_VARIANTS, "e4m3 other form",
-                                     "e4m3 other warpgroups"])
+@pytest.mark.parametrize("variant", gluon_mod.FP8_VARIANTS)
 def test_gluon_fp8_matches_float64_over_the_dequantized_latent(heads, q_lens, seq_lens, mask,
                                                                block_size, splits, qdtype,
                                                                variant):
-    """A per-tensor e4m3 cache (unused pages NaN, shuffled table): each fp8 Gluon kernel
-    (widening; both products on e4m3 in the default form and in the other ones: ``STACKED``
-    flipped, ``WARPGROUPS`` 1 <-> 2) against float64 attention over what the cache holds
-    (stored values x scale)."""
+    """A per-tensor e4m3 cache (unused pages NaN, shuffled table): the fp8 Gluon kernel
+    (both products on e4m3) against float64 attention over what the cache holds (stored
+    values x scale)."""
     _needs_hopper()
-    if variant in ("e4m3 other form", "e4m3 other warpgroups"):
-        from pagedkv.ops.triton import mla_gluon_e4m3
-
-        with pytest.MonkeyPatch.context() as mp:
-            if variant == "e4m3 other form":
-                mp.setattr(mla_gluon_e4m3, "STACKED", not mla_gluon_e4m3.STACKED)
-            else:
-                mp.setattr(mla_gluon_e4m3, "WARPGROUPS", 3 - mla_gluon_e4m3.WARPGROUPS)
-            return test_gluon_fp8_matches_float64_over_the_dequantized_latent(
-                heads, q_lens, seq_lens, mask, block_size, splits, qdtype, "e4m3")
     seed = 7 * len(seq_lens) + heads + block_size
     _, table, lat, q_lat, q_rope, qsl, lens = _latent_case(seq_lens, q_lens, heads, block_size,
                                                            qdtype, seed=seed)
@@ -325,20 +295,16 @@ def test_gluon_fp8_kept_plan_matches_float64_on_every_call(variant):
                                [q_len] * 3, Mask(), sm)
 
 
-@pytest.mark.parametrize("stages,pairs,stacked,warpgroups", [
-    (2, False, True, 1), (4, True, True, 1), (2, True, False, 1), (4, True, False, 1),
-    (3, False, False, 1), (4, True, True, 2), (2, True, True, 2), (3, False, True, 2)])
-def test_e4m3_other_forms_match_float64(monkeypatch, stages, pairs, stacked, warpgroups):
-    """The e4m3 kernel's other compiled forms: ring slots, the compiler's own transpose, hi
-    and lo as two MMA chains (``STACKED=False``), two warpgroups (``WARPGROUPS=2``)."""
+@pytest.mark.parametrize("stages,pairs", [(2, False), (2, True), (3, True), (3, False),
+                                          (4, False)])
+def test_e4m3_other_forms_match_float64(monkeypatch, stages, pairs):
+    """The e4m3 kernel's other compiled forms: ring slots, the compiler's own transpose."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_e4m3
 
     _needs_hopper()
     monkeypatch.setattr(mla_gluon_e4m3, "STAGES", stages)
     monkeypatch.setattr(mla_gluon_e4m3, "PAIRS", pairs)
-    monkeypatch.setattr(mla_gluon_e4m3, "STACKED", stacked)
-    monkeypatch.setattr(mla_gluon_e4m3, "WARPGROUPS", warpgroups)
     monkeypatch.setattr(triton_mla, "_GLUON_PLANS", {})
     test_gluon_fp8_matches_float64_over_the_dequantized_latent(
         16, [1] * 4, [4097, 63, 640, 2000], Mask(), 128, 3, torch.bfloat16, "e4m3")
@@ -402,11 +368,11 @@ def test_gluon_true_refused_off_hopper_and_default_off_under_the_interpreter(mon
 
 
 def test_fp8_variants_pick_their_kernel_and_are_refused_elsewhere(monkeypatch):
-    """``plan`` launches the e4m3 kernel for ``variant="e4m3"`` (its ring depth; its form by
-    ``STACKED`` and ``WARPGROUPS``: 2 the two-warpgroup kernel on 8 warps, other than 1 or 2
-    refused), the widening one for "widen", ``FP8_DEFAULT``'s for no name; an fp8 name on a
-    bf16 cache, and any Gluon name off Hopper / under the interpreter, is refused with the
-    reason."""
+    """``plan`` launches the e4m3 kernel (stacked, 4 warps, the module's ring depth and
+    transpose, the latent scale as its last scalar) for an e4m3 cache of <= 16 rows,
+    named or not, and the bf16 kernel with scale 1 for a bf16 cache; the deleted "widen"
+    name, an fp8 name on a bf16 cache, and any Gluon name off Hopper / under the
+    interpreter, are refused with the reason."""
     from pagedkv.ops.triton import mla_gluon_e4m3
 
     gen = torch.Generator().manual_seed(8)
@@ -418,31 +384,25 @@ def test_fp8_variants_pick_their_kernel_and_are_refused_elsewhere(monkeypatch):
     table = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
     out = torch.empty(2, 16, RANK)
 
-    def kernel(variant):
+    def kernel(variant, cache=cache):
         made = gluon_mod.plan(ql, qr, cache, qsl, lens, table, out, scale=0.1, mask=CAUSAL,
                               tiles=1, splits=2, block_m=16, variant=variant,
                               latent_scale=0.25)
         return made.kernel.kernel, made.kernel.consts, made.kernel.scalars
 
-    fn, consts, scalars = kernel("e4m3")
-    assert scalars[-1] == 0.25
-    assert consts["STAGES"] == mla_gluon_e4m3.STAGES and "WIDEN" not in consts
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mla_gluon_e4m3, "WARPGROUPS", 1)
-        fn, consts, _ = kernel("e4m3")
-        assert fn is (mla_gluon_e4m3._mla_gluon_e4m3_stacked if mla_gluon_e4m3.STACKED
-                      else mla_gluon_e4m3._mla_gluon_e4m3)
-        assert consts["num_warps"] == 4
-        mp.setattr(mla_gluon_e4m3, "WARPGROUPS", 2)
-        fn, consts, _ = kernel("e4m3")
-        assert fn is mla_gluon_e4m3._mla_gluon_e4m3_2wg and consts["num_warps"] == 8
-        mp.setattr(mla_gluon_e4m3, "WARPGROUPS", 4)
-        with pytest.raises(ConfigError, match="WARPGROUPS is 4"):
-            kernel("e4m3")
-    assert kernel("widen")[0] is gluon_mod._mla_gluon_swap and kernel("widen")[1]["WIDEN"]
-    default = "e4m3" if gluon_mod.FP8_DEFAULT == "e4m3" else "widen"
-    assert kernel(None)[0] is kernel(default)[0]
+    assert gluon_mod.FP8_VARIANTS == ("e4m3",)
+    monkeypatch.setattr(mla_gluon_e4m3, "STAGES", 3)
+    for name in ("e4m3", None):
+        fn, consts, scalars = kernel(name)
+        assert fn is mla_gluon_e4m3._mla_gluon_e4m3_stacked and consts["num_warps"] == 4
+        assert consts["STAGES"] == 3 and consts["PAIRS"] is mla_gluon_e4m3.PAIRS
+        assert scalars[-1] == 0.25
+    fn, consts, scalars = kernel(None, cache.bfloat16())
+    assert fn is gluon_mod._mla_gluon_swap and consts["STAGES"] == gluon_mod.STAGES
+    assert scalars[-1] == 1.0 and "PAIRS" not in consts
     call = dict(scale=0.1, latent_scale=0.25)
+    with pytest.raises(InvalidArgumentError, match="'widen'"):
+        paged_mla_latent(ql, qr, cache, qsl, lens, table, gluon="widen", **call)
     with pytest.raises(InvalidArgumentError, match="e4m3 caches"):
         paged_mla_latent(ql, qr, cache.bfloat16(), qsl, lens, table, scale=0.1, gluon="e4m3")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

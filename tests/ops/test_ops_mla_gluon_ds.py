@@ -1,7 +1,7 @@
 """The fp8_ds_mla Gluon kernel (``mla_gluon_ds``): its arithmetic emulated in torch on the CPU
 against float64 attention over the unpacked cache, its sm_90 compile (no GPU needed), its
-switch and dispatch, and on an H200 (PAGEDKV_TEST_DEVICE=cuda) its output, with the switch
-turned on, against float64, the Triton fp8_ds_mla kernel and the emulation."""
+dispatch, and on an H200 (PAGEDKV_TEST_DEVICE=cuda) its output against float64, the Triton
+fp8_ds_mla kernel and the emulation."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def compiled_for_sm90(mask: str, dtype: str, stages: str | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mask,dtype,stages", [("causal", "bf16", None), ("draft", "fp16", "3"),
+@pytest.mark.parametrize("mask,dtype,stages", [("causal", "bf16", None), ("draft", "fp16", "4"),
                                                ("full", "bf16", "2")])
 def test_ds_kernel_compiles_for_sm90_without_spills(mask, dtype, stages):
     """Ring (latent, rope and scale boxes), queries, four V_g^T and P_g buffers fit in 227
@@ -255,7 +255,7 @@ def test_ds_kernel_compiles_for_sm90_without_spills(mask, dtype, stages):
     assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
 
 
-# ---------------------------------------------------------------- switch and dispatch (CPU)
+# ---------------------------------------------------------------- dispatch (CPU)
 def _cpu_args(**over):
     gen = torch.Generator().manual_seed(3)
     args = dict(q_latent=torch.randn(1, 16, RANK, generator=gen).bfloat16(),
@@ -265,13 +265,10 @@ def _cpu_args(**over):
     return args
 
 
-def test_supported_is_off_by_default_and_names_what_it_refuses(monkeypatch):
-    assert ds_mod.ENABLED is False
-    assert "off" in ds_mod.supported(**_cpu_args())
-    assert "off" in mla_gluon.supported(latent_scale=None, **_cpu_args())  # routed here
-    monkeypatch.setattr(ds_mod, "ENABLED", True)
+def test_supported_names_what_it_refuses():
+    assert not hasattr(ds_mod, "ENABLED")  # no switch: on wherever it can run
     assert "Hopper" in ds_mod.supported(**_cpu_args())  # a CPU tensor: everything else fits
-    assert "Hopper" in mla_gluon.supported(latent_scale=None, **_cpu_args())
+    assert "Hopper" in mla_gluon.supported(latent_scale=None, **_cpu_args())  # routed here
     assert "17 rows" in ds_mod.supported(**_cpu_args(rows=17))
     assert "queries" in ds_mod.supported(**_cpu_args(q_latent=torch.zeros(1, 16, RANK)))
     assert "queries" in ds_mod.supported(**_cpu_args(q_rope=None))
@@ -308,28 +305,79 @@ def test_plan_launches_the_ds_kernel_over_three_boxes_of_the_entry(monkeypatch):
     assert made.kernel.scalars[0] is kd and made.kernel.scalars[2] is sd
 
 
-def test_gluon_true_on_a_ds_cache_says_the_switch_is_off(monkeypatch):
+def test_gluon_true_on_a_ds_cache_off_hopper_says_why(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check
     cache = torch.zeros(2, 64, ENTRY, dtype=torch.uint8)
     args = (torch.zeros(1, 16, RANK).bfloat16(), torch.zeros(1, 16, ROPE).bfloat16(), cache,
             torch.tensor([0, 1], dtype=torch.int32), torch.tensor([70], dtype=torch.int32),
             torch.tensor([[0, 1]], dtype=torch.int32))
-    with pytest.raises(InvalidArgumentError, match="off"):
-        paged_mla_latent(*args, scale=0.1, gluon=True)
-    monkeypatch.setattr(ds_mod, "ENABLED", True)
     with pytest.raises(InvalidArgumentError, match="Hopper"):
         paged_mla_latent(*args, scale=0.1, gluon=True)
     with pytest.raises(InvalidArgumentError, match="e4m3 caches"):
         paged_mla_latent(*args, scale=0.1, gluon="e4m3")
 
 
-def test_kept_plan_key_follows_the_switch_and_form(monkeypatch):
+class _Launched(Exception):
+    pass
+
+
+class _Spy:
+    """Stands in for a Triton kernel: launching it raises ``_Launched("triton")``."""
+
+    def __getitem__(self, grid):
+        def launch(*a, **k):
+            raise _Launched("triton")
+        return launch
+
+
+def test_default_ds_call_takes_gluon_on_hopper_and_triton_elsewhere(monkeypatch):
+    """Which kernel a fp8_ds_mla call launches, outside the interpreter (launch spies, so no
+    GPU is needed; "on Hopper" stands for ``supported``'s device check passing): the Gluon
+    kernel by default on Hopper; the Triton kernel off Hopper, with ``gluon=False``, a
+    Triton launch override, more than 16 rows per request, blocks of 32, float32 queries."""
+    from pagedkv.ops.triton import mla as triton_mla
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(triton_mla, "check_device", lambda *t: None)  # CPU tensors, no launch
+    monkeypatch.setattr(triton_mla, "_paged_mla_fwd", _Spy())
+    monkeypatch.setattr(triton_mla, "_paged_mla_tma", _Spy())
+    monkeypatch.setattr(mla_gluon, "launch", lambda *a, **k: (_ for _ in ()).throw(
+        _Launched("gluon")))
+    real = ds_mod.supported
+    hopper = [True]
+
+    def supported(*a, **k):
+        why = real(*a, **k)
+        return None if hopper[0] and why is not None and "Hopper" in why else why
+
+    monkeypatch.setattr(ds_mod, "supported", supported)
+
+    def launched(q_len=1, block_size=64, dtype=torch.bfloat16, **kw):
+        cache = torch.zeros(4, block_size, ENTRY, dtype=torch.uint8)
+        args = (torch.zeros(q_len, 16, RANK, dtype=dtype), torch.zeros(q_len, 16, ROPE, dtype=dtype),
+                cache, torch.tensor([0, q_len], dtype=torch.int32),
+                torch.tensor([70], dtype=torch.int32), torch.tensor([[0, 1, 2]], dtype=torch.int32))
+        with pytest.raises(_Launched) as got:
+            paged_mla_latent(*args, scale=0.1, splits=2, **kw)
+        return str(got.value)
+
+    assert launched() == "gluon"
+    assert launched(gluon=True) == "gluon"
+    assert launched(gluon=False) == "triton"
+    assert launched(num_warps=4) == "triton"
+    assert launched(q_len=2) == "triton"  # 32 rows per request
+    assert launched(block_size=32) == "triton"
+    assert launched(dtype=torch.float32) == "triton"
+    hopper[0] = False  # the real device check: CPU tensors are not on a Hopper GPU
+    assert launched() == "triton"
+
+
+def test_kept_plan_key_follows_the_form(monkeypatch):
     from pagedkv.ops.triton import mla as triton_mla
 
     cache = torch.zeros(2, 64, ENTRY, dtype=torch.uint8)
     keys = set()
-    for on, stages, pairs in [(False, 4, True), (True, 4, True), (True, 3, True), (True, 4, False)]:
-        monkeypatch.setattr(ds_mod, "ENABLED", on)
+    for stages, pairs in [(4, True), (3, True), (3, False), (2, True)]:
         monkeypatch.setattr(ds_mod, "STAGES", stages)
         monkeypatch.setattr(ds_mod, "PAIRS", pairs)
         keys.add(triton_mla._ds_settings(cache))
@@ -414,7 +462,6 @@ def test_ds_kernel_matches_float64_triton_and_emulation(monkeypatch, heads, q_le
     """NaN-filled unused pages, shuffled tables, lengths off multiples of 64, splits, masks,
     8 / 16 heads, q_len 1-2; the Triton fp8_ds_mla kernel on the same cache agrees too."""
     _needs_hopper()
-    monkeypatch.setattr(ds_mod, "ENABLED", True)
     case = _ds_case(seq_lens, q_lens, heads, block_size, dtype, seed=len(seq_lens) + heads)
     sm = 1 / math.sqrt(192)
     got = _run(case, mask, sm, gluon=True, splits=splits)
@@ -426,7 +473,6 @@ def test_ds_kernel_matches_float64_triton_and_emulation(monkeypatch, heads, q_le
 def test_ds_kernel_keys_of_far_apart_scales(monkeypatch):
     """Per-key magnitudes 10^2-10^3 apart inside a tile: the per-group normalisation of P."""
     _needs_hopper()
-    monkeypatch.setattr(ds_mod, "ENABLED", True)
     for spread, seed in ((3.0, 1), (2.0, 2)):
         case = _ds_case([777, 2000], [1, 1], 16, 64, torch.bfloat16, seed, spread)
         got = _run(case, Mask(), 0.07, gluon=True, splits=2)
@@ -436,7 +482,6 @@ def test_ds_kernel_keys_of_far_apart_scales(monkeypatch):
 @pytest.mark.parametrize("stages,pairs", [(2, True), (3, False), (4, False)])
 def test_ds_kernel_other_forms(monkeypatch, stages, pairs):
     _needs_hopper()
-    monkeypatch.setattr(ds_mod, "ENABLED", True)
     monkeypatch.setattr(ds_mod, "STAGES", stages)
     monkeypatch.setattr(ds_mod, "PAIRS", pairs)
     case = _ds_case([4097, 63, 640], [1] * 3, 16, 128, torch.bfloat16, seed=5)
@@ -444,13 +489,12 @@ def test_ds_kernel_other_forms(monkeypatch, stages, pairs):
     _check(got, case, [1] * 3, [4097, 63, 640], Mask(), 0.07, 3)
 
 
-def test_ds_kernel_is_the_default_when_on_and_keeps_its_plan(monkeypatch):
-    """Switched on, a default call (no ``gluon``) takes the kernel (a CPU-side spy on the
-    launch) and a kept plan serves fresh queries right."""
+def test_ds_kernel_is_the_default_and_keeps_its_plan(monkeypatch):
+    """A default call (no ``gluon``) takes the kernel (a CPU-side spy on the launch) and a
+    kept plan serves fresh queries right."""
     from pagedkv.ops.triton import mla as triton_mla
 
     _needs_hopper()
-    monkeypatch.setattr(ds_mod, "ENABLED", True)
     monkeypatch.setattr(triton_mla, "_GLUON_PLANS", {})
     made = []
     real_plan = ds_mod.plan
@@ -469,7 +513,6 @@ def test_ds_kernel_is_the_default_when_on_and_keeps_its_plan(monkeypatch):
 
 def test_ds_kernel_flags_a_block_id_outside_the_cache(monkeypatch):
     _needs_hopper()
-    monkeypatch.setattr(ds_mod, "ENABLED", True)
     cache, table, *_ = case = _ds_case([300], [1], 16, 64, torch.bfloat16, seed=9)
     table[0, 2] = cache.shape[0] + 5
     with pytest.raises(MetadataError, match="outside the cache"):

@@ -1,9 +1,9 @@
 """Gluon helpers the Hopper decode kernels share (GQA ``decode_gluon``, MLA ``mla_gluon``,
-``mla_gluon_pph``, ``mla_gluon_e4m3``): each query row's key interval, and the column-half
-sums of the e4m3 kernels' stacked forms (an operand's e4m3 hi and lo parts side by side as
-one MMA's N, so one accumulator holds hi products in its first half of columns and lo
-products in the second; ``group_half_sum``: the same per group of columns, for an MMA
-whose N is split across warpgroups, each group one warpgroup's hi and lo).
+``mla_gluon_pph``, ``mla_gluon_e4m3``, ``mla_gluon_ds``): each query row's key interval,
+and the column-half sums of the e4m3 kernels' stacked forms (an operand's e4m3 hi and lo
+parts side by side as one MMA's N, so one accumulator holds hi products in its first half
+of columns and lo products in the second; each thread holds both halves of its columns,
+so the sums need no data from other threads).
 """
 
 from __future__ import annotations
@@ -34,13 +34,3 @@ def half_sum(x):
     gives each thread both)."""
     a, b = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
     return a + b
-
-
-@gluon.jit
-def group_half_sum(x, GROUPS: gl.constexpr):
-    """[M, 2N] of GROUPS column groups [hi | lo] -> [M, N]: group g's column r the sum of
-    its columns r and N / GROUPS + r (with N split across warpgroups by groups, each
-    thread holds both: no data crosses the warpgroups)."""
-    W: gl.constexpr = x.shape[1] // (2 * GROUPS)
-    a, b = gl.split(gl.permute(gl.reshape(x, [x.shape[0], GROUPS, 2, W]), (0, 1, 3, 2)))
-    return gl.reshape(a + b, [x.shape[0], GROUPS * W])

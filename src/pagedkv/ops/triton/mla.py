@@ -444,12 +444,12 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     sizes that are multiples of 64, ``gluon`` (the Hopper kernels, where they run). fp8 caches:
     the pointer kernel (a TMA tile converted to bf16 in registers spills), except <= 16 rows
     per request on blocks of multiples of 64, where ``gluon`` (per-tensor e4m3 with a float
-    scale: ``mla_gluon.FP8_DEFAULT``, the Gluon kernel with both products on e4m3 MMAs, 1.79x
-    the one widening fp8 tiles in shared memory, itself 1.20x the pointer kernel;
-    ``mla_gluon.supported`` sends the rest back to the pointer kernel with this config, e.g.
-    fp8_ds_mla while ``mla_gluon_ds.ENABLED`` is off). ``waves``: programs
-    per multiprocessor that the KV splits aim at (rounded down: a second partial wave cost
-    more than it gained in the sweeps)."""
+    scale: ``mla_gluon_e4m3``, both products on e4m3 MMAs, 0.93x the bf16 Gluon kernel's
+    time; fp8_ds_mla: ``mla_gluon_ds``, 0.48x the pointer kernel's time; H200 B64 ctx8K h16
+    q1, 2026-12-04 17:12 UTC, the run both modules' docstrings cite; ``mla_gluon.supported``
+    sends the rest back to the pointer kernel with this config, e.g. any call off Hopper).
+    ``waves``: programs per multiprocessor that the KV splits aim at (rounded down: a second
+    partial wave cost more than it gained in the sweeps)."""
     if interpreting():
         return dict(block_m=min(64, max(16, next_pow2(rows_per_request))), block_n=64,
                     dv_splits=1, num_warps=4, num_stages=2, waves=0.0, swap=False, tma=None,
@@ -530,13 +530,13 @@ def _gluon_key(q_latent, q_rope, cache, query_start_loc, seq_lens, block_table, 
 
 
 def _ds_settings(cache) -> tuple | None:
-    """fp8_ds_mla: the Gluon kernel's switch and form (``mla_gluon_ds``), which a kept plan
-    must follow."""
+    """fp8_ds_mla: the Gluon kernel's form (``mla_gluon_ds``), which a kept plan must
+    follow."""
     if cache.dtype != torch.uint8:
         return None
     from pagedkv.ops.triton import mla_gluon_ds
 
-    return mla_gluon_ds.ENABLED, mla_gluon_ds.STAGES, mla_gluon_ds.PAIRS
+    return mla_gluon_ds.STAGES, mla_gluon_ds.PAIRS
 
 
 def _run_gluon(plan, q_latent, q_rope, cache, query_start_loc, seq_lens, block_table,

@@ -20,8 +20,8 @@ are explicit. One program = one request x one row tile x one KV split.
   consumed, with its block id read an iteration earlier.
 
 Scope: bf16/fp16 queries and cache of the same dtype, or (<= 16 rows only) a per-tensor
-scaled e4m3 cache widened in shared memory (``_widen``), R = 512, P = 64, block sizes that are
-multiples of 64, causal / non-causal / draft-block masks (``supported`` says why not). The
+scaled e4m3 cache (``mla_gluon_e4m3``, both products on e4m3 MMAs) or an fp8_ds_mla one
+(``mla_gluon_ds``), R = 512, P = 64, block sizes that are multiples of 64, causal / non-causal / draft-block masks (``supported`` says why not). The
 partly written last tile of each sequence is loaded whole and its slots past the sequence
 zeroed in shared memory (unwritten slots may hold NaN, which a zero probability does not
 cancel in the value product), so one launch covers every key; the split-KV ``combine`` of
@@ -75,26 +75,6 @@ def _zero_past_end(kv, n0, seq_len, BLOCK_N: gl.constexpr, R: gl.constexpr, z_l:
         chunk.store(gl.where(keep, x, gl.zeros_like(x)))
     fence_async_shared()
     gl.thread_barrier()
-
-
-@gluon.jit
-def _widen(kv8, kr8, kw, kwr, n0, seq_len, dt: gl.constexpr, BLOCK_N: gl.constexpr,
-           R: gl.constexpr, P: gl.constexpr):
-    """A landed fp8 tile (latent and rope) -> ``dt`` in the NVMMA buffers the MMAs read, 8
-    keys at a time (row slices keep the swizzle pattern whole); the latent of keys >=
-    seq_len is zeroed (unwritten slots may hold NaN, see ``_zero_past_end``). Every warp's
-    earlier MMA reads of the buffers are over (the loop's barrier after the value product)."""
-    w_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-    ROWS: gl.constexpr = 8
-    r_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    for c in gl.static_range(BLOCK_N // ROWS):
-        keys = n0 + c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, w_l))
-        x = kv8.slice(c * ROWS, ROWS, dim=0).load(w_l).to(dt)
-        kw.slice(c * ROWS, ROWS, dim=0).store(gl.where((keys < seq_len)[:, None], x,
-                                                   gl.zeros_like(x)))
-    kwr.store(kr8.load(r_l).to(dt))
-    fence_async_shared()  # the widened tile, before the MMAs read it
-    gl.thread_barrier()  # every warp's part written; every warp done with the fp8 slot
 
 
 @gluon.jit
@@ -289,17 +269,15 @@ def _mla_gluon_swap(
     num_blocks, block_size, heads, scale, draft, tiles, num_splits, lscale,
     R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
-    WIDEN: gl.constexpr = False,
 ):
     """Few rows (<= 16: decode with <= 16 heads): keys on the MMA's M side, one warpgroup.
     S^T [64 keys, BLOCK_M rows] = K Q^T, O^T [R, BLOCK_M] += V^T P^T (V^T: the key tile read
     transposed from shared memory), so no row is padded to 64. Same grid, workspace and
     TMA ring as ``_mla_gluon_fwd``; the compute per tile is small, so what counts is that
-    the copies of the next two tiles are in flight while one is consumed. ``WIDEN``
-    (per-tensor fp8 cache, scale ``lscale``): the ring holds fp8 tiles, which the warpgroup
-    widens to the queries' dtype into one NVMMA buffer (keys past the sequence zeroed on
-    the way) before the same MMAs; the fp8 slot is refilled right after the widening, and
-    ``lscale`` is folded into the scores and the output."""
+    the copies of the next two tiles are in flight while one is consumed. ``lscale`` (folded
+    into the scores and the output) is 1.0: it served the fp8 widening form, since deleted
+    (``mla_gluon_e4m3`` took its calls), and stays so that this kernel's code is the one
+    timed on the H200."""
     gl.static_assert(gl.num_warps() == 4)
     dt: gl.constexpr = ql_ptr.dtype.element_ty
     t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -323,11 +301,6 @@ def _mla_gluon_swap(
                                stride_qh, stride_rt, stride_rh, dt, BLOCK_M, R, P, q_l)
     kv_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, R], kd.layout)
     kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
-    if WIDEN:  # the widened tile the MMAs read
-        kw_smem = gl.allocate_shared_memory(
-            dt, [1, BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dt))
-        kwr_smem = gl.allocate_shared_memory(
-            dt, [1, BLOCK_N, P], gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], dt))
     pt_smem = gl.allocate_shared_memory(
         dt, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dt))
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -361,23 +334,10 @@ def _mla_gluon_swap(
                             other=0)
         bad = _flag_bad(page, num_blocks, flag_ptr)
         mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
-        if WIDEN:
-            # always buffer 0, by an index the compiler cannot fold: with a constant address
-            # it hoists all 68 wgmma descriptors out of the loop, and they spill
-            wi = it // (n_tiles + 1)
-            kw = kw_smem.index(wi)
-            kwr = kwr_smem.index(wi)
-            _widen(kv_smem.index(stage), kr_smem.index(stage), kw, kwr, n0, seq_len,
-                   dt, BLOCK_N, R, P)
-            _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
-                   block_size, num_blocks, refill, R)  # the fp8 slot is free already
-            kv = kw
-            kr = kwr
-        else:
-            kv = kv_smem.index(stage)
-            kr = kr_smem.index(stage)
-            if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
-                _zero_past_end(kv, n0, seq_len, BLOCK_N, R, z_l)
+        kv = kv_smem.index(stage)
+        kr = kr_smem.index(stage)
+        if n0 + BLOCK_N > seq_len:  # the sequence's last, partly written tile
+            _zero_past_end(kv, n0, seq_len, BLOCK_N, R, z_l)
         s = warpgroup_mma(kv, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(kr, qr_smem.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
@@ -395,10 +355,9 @@ def _mla_gluon_swap(
         gl.thread_barrier()
         acc = warpgroup_mma(kv.permute((1, 0)), pt_smem, acc * alpha[None, :], is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()  # every warp is done with this slot (or the widened tile) and P
-        if not WIDEN:
-            _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
-                   block_size, num_blocks, refill, R)
+        gl.thread_barrier()  # every warp is done with this slot and P
+        _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+               block_size, num_blocks, refill, R)
         page_a = page_b
         page_b = page_next
 
@@ -434,7 +393,7 @@ def descriptors(cache: torch.Tensor, latent_box: int = RANK):
 def supported(q_latent, q_rope, cache, mask, latent_scale, rows: int = 1) -> str | None:
     """Why the Gluon kernel cannot take this call (None: it can); ``rows``: query rows per
     request (q_len x heads). Device checks last."""
-    if cache.dtype == torch.uint8:  # fp8_ds_mla: its own kernel, behind a switch
+    if cache.dtype == torch.uint8:  # fp8_ds_mla: its own kernel
         from pagedkv.ops.triton import mla_gluon_ds
 
         return mla_gluon_ds.supported(q_latent, q_rope, cache, mask, rows)
@@ -477,11 +436,11 @@ def tile_rows(rows_per_request: int) -> int:
 # ``mla_gluon_pph._mla_gluon_pph`` (warp-specialized, half-tile slots)
 ROWS_VARIANTS = ("serial", "pingpong_halves")
 ROWS_DEFAULT = "pingpong_halves"
-# <= 16-row kernels of a per-tensor e4m3 cache: "widen" is ``_mla_gluon_swap`` with ``WIDEN``
-# (bf16 MMAs on tiles widened in shared memory), "e4m3" ``mla_gluon_e4m3._mla_gluon_e4m3``
-# (both products on e4m3 MMAs: 1.79x "widen" on the H200, docs/kernels.md)
-FP8_VARIANTS = ("widen", "e4m3")
-FP8_DEFAULT = "e4m3"
+# the <= 16-row kernel of a per-tensor e4m3 cache, by name: "e4m3" is
+# ``mla_gluon_e4m3._mla_gluon_e4m3_stacked`` (both products on e4m3 MMAs), the only one since
+# the widening kernel (bf16 MMAs on tiles widened in shared memory, 2.1x its time on the
+# H200, docs/kernels.md) was deleted
+FP8_VARIANTS = ("e4m3",)
 
 
 class Plan:
@@ -513,8 +472,7 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
         return mla_gluon_ds.plan(ql, qr, cache, query_start_loc, seq_lens, table, out,
                                  scale=scale, mask=mask, tiles=tiles, splits=splits)
     swap = block_m == SWAP_ROWS
-    widen = cache.dtype == torch.float8_e4m3fn
-    e4m3 = swap and widen and (variant if variant in FP8_VARIANTS else FP8_DEFAULT) == "e4m3"
+    e4m3 = swap and cache.dtype == torch.float8_e4m3fn
     variant = variant or ROWS_DEFAULT
     halves = variant == "pingpong_halves" and not swap
     kd, rd = descriptors(cache, RANK // 2 if halves else RANK)
@@ -526,12 +484,12 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     if e4m3:
         from pagedkv.ops.triton import mla_gluon_e4m3
 
-        fn, consts["num_warps"] = mla_gluon_e4m3.form()
+        fn, consts["num_warps"] = mla_gluon_e4m3._mla_gluon_e4m3_stacked, 4
         consts["STAGES"], consts["PAIRS"] = mla_gluon_e4m3.STAGES, mla_gluon_e4m3.PAIRS
         scalars = (float(latent_scale),)
     elif swap:
-        fn, consts["num_warps"], consts["WIDEN"] = _mla_gluon_swap, 4, widen
-        scalars = (float(latent_scale if widen else 1.0),)
+        fn, consts["num_warps"] = _mla_gluon_swap, 4
+        scalars = (1.0,)
     elif halves:
         from pagedkv.ops.triton.mla_gluon_pph import PPH_MAXNREG, _mla_gluon_pph
 

@@ -1,11 +1,18 @@
 """Absorbed MLA decode over an fp8_ds_mla cache in Gluon (Hopper sm_90): the per-tensor e4m3
 kernel (``mla_gluon_e4m3._mla_gluon_e4m3_stacked``) extended to per-128-column fp32 scales
-and a bf16 rope. **Compiled for sm_90 on a CPU only; it has never run on a GPU**, so it is
-off by default (``ENABLED``).
+and a bf16 rope; the default for the fp8_ds_mla calls it takes (``supported``) on Hopper.
 
-Why: fp8_ds_mla (DeepSeek / Kimi) is served by the Triton pointer kernel, ~0.54x the bf16
-kernel's throughput on the H200 (docs/kernels.md); the per-tensor e4m3 Gluon kernel shows
-that both products on 8-bit tensor cores can beat bf16.
+Why: fp8_ds_mla (DeepSeek / Kimi) was served by the Triton pointer kernel, ~0.54x the bf16
+kernel's throughput on the H200 (docs/kernels.md); the per-tensor e4m3 Gluon kernel showed
+that both products on 8-bit tensor cores can beat bf16. On an H200 (2026-12-04 17:12-17:13
+UTC, torch 2.11+cu130, triton 3.6.0; ``PAGEDKV_BENCH_MLA_FAMILIES=mla_q1,mla_fp8,mla_ds
+PAGEDKV_BENCH_GLUON_VARIANTS= PAGEDKV_BENCH_E4M3=4:0:1,4:0:1:2,3:0:1:2 PAGEDKV_BENCH_DS=4,3
+PYTHONPATH=src python3 benchmarks/attention.py --only mla --quick --graphs --no-mla-sweep
+--gluon``, the e4m3 forms' format of that date), B64 ctx8K h16 q1 page 64, us eager / CUDA
+graph: this kernel 191.4 / 191.3 with 3 ring slots, 194.3 / 192.5 with 4; the Triton
+kernel 397.7 / 395.7 (2.08x / 2.07x this kernel's time); relative error against bf16
+attention over the unquantized latent 2.7e-2 for both. Its GPU tests
+(tests/ops/test_ops_mla_gluon_ds.py) passed on that machine.
 
 The cache's 656-byte entries ``[512 e4m3 | 4 fp32 scales | 64 bf16 rope]`` (``ops/fp8.py``)
 arrive by TMA as three boxes per 64-key tile, all on one mbarrier: the latent as a [64, 512]
@@ -30,10 +37,9 @@ the bytes seen as bf16 [slots, 328], the scales as a [64, 4] fp32 box at column 
 
 Scope: fp8_ds_mla with R = 512, P = 64, bf16/fp16 queries (the rope query rounded to bf16),
 <= 16 (query row, head) rows per request, blocks of multiples of 64, causal / non-causal /
-draft-block masks; ``supported`` says why not. Grid, splits, workspace and combine are
-``mla_gluon``'s. To use it: ``mla_gluon_ds.ENABLED = True`` (then ``paged_mla_latent`` takes
-it by default for such calls, or with ``gluon=True``); docs/kernels.md "MLA fp8_ds_mla in
-Gluon (CPU compile only)" gives the H200 commands that validate and time it.
+draft-block masks; ``supported`` says why not (those calls, and any off Hopper, take the
+Triton kernel, as does ``gluon=False``). Grid, splits, workspace and combine are
+``mla_gluon``'s.
 """
 
 from __future__ import annotations
@@ -63,11 +69,11 @@ from pagedkv.ops.triton.mla_gluon import (
 )
 from pagedkv.ops.triton.mla_gluon_e4m3 import _transpose_latent, _transpose_pairs
 
-# off until the GPU tests (tests/ops/test_ops_mla_gluon_ds.py) have passed on an H200
-ENABLED = False
 # ring slots: a 64-key tile is 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); with the
-# queries (18 KB), the transposed latent (32 KB) and P (8 KB) 4 slots fit in 227 KB
-STAGES = 4
+# queries (18 KB), the transposed latent (32 KB) and P (8 KB) up to 4 fit in 227 KB.
+# 3: 191.4 / 191.3 us eager / graph against 194.3 / 192.5 with 4 (H200 17:12 UTC, above),
+# 1% faster and 41 KB less shared memory
+STAGES = 3
 # the latent transposed as key pairs (``_transpose_pairs``); False: ``_transpose_latent``
 PAIRS = True
 ENTRY = ds_mla_entry_bytes(RANK, ROPE)  # 656 bytes
@@ -396,9 +402,7 @@ def descriptors(cache: torch.Tensor):
 
 def supported(q_latent, q_rope, cache, mask, rows: int = 1) -> str | None:
     """Why the fp8_ds_mla Gluon kernel cannot take this call (None: it can); ``rows``: query
-    rows per request (q_len x heads). The switch first, device checks last."""
-    if not ENABLED:
-        return "the fp8_ds_mla Gluon kernel is off (mla_gluon_ds.ENABLED: not run on a GPU yet)"
+    rows per request (q_len x heads). Device checks last."""
     if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[-1] != ENTRY:
         return (f"a {cache.dtype} cache of entry {cache.shape[-1]} (fp8_ds_mla uint8 entries "
                 f"of {ENTRY} bytes only)")
