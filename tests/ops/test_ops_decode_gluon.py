@@ -128,9 +128,11 @@ def test_dispatch_on_hopper():
     q, k, v = (t.to(DEVICE) for t in _cpu_case())
     assert isinstance(_plan(q, k, v, gluon=True).kernel, decode_gluon._GluonLaunch)
     assert not isinstance(_plan(q, k, v, gluon=False).kernel, decode_gluon._GluonLaunch)
-    # the default: q_len-1 calls only (what the H200 timed), 64-key tiles only
+    # the default: every call it takes (up to 32 (row, head) pairs: 8 rows at group 4),
+    # 64-key tiles only
     assert isinstance(_plan(q, k, v).kernel, decode_gluon._GluonLaunch)
-    assert not isinstance(_plan(q, k, v, max_query_len=3).kernel, decode_gluon._GluonLaunch)
+    assert isinstance(_plan(q, k, v, max_query_len=7).kernel, decode_gluon._GluonLaunch)
+    assert not isinstance(_plan(q, k, v, max_query_len=9).kernel, decode_gluon._GluonLaunch)
     assert not isinstance(_plan(q, k, v, gluon=True, block_n=128).kernel,
                           decode_gluon._GluonLaunch)
     assert not isinstance(_plan(q, k, v, gluon=True, mask=Mask(window=8)).kernel,

@@ -391,10 +391,10 @@ HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no g
 PAGE_TILES = True
 PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
 WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
-# the Gluon fp8 kernel (decode_gluon.py, both products on e4m3 tensor cores) for q_len-1
-# calls it takes: 1.08x the Triton fp8 kernel's speed at B64 ctx8K and ctx32K p16 on the
-# H200 (11:01 UTC run, docs/kernels.md); longer query blocks were not timed, so they keep
-# the Triton kernel unless ``gluon=True``
+# the Gluon fp8 kernel (decode_gluon.py, both products on e4m3 tensor cores) for the fp8
+# calls it takes (``decode_gluon.supported``: up to 32 (row, head) pairs per KV head): on the
+# H200 at B64 p16 (docs/kernels.md) 1.52-1.55x the Triton fp8 kernel's speed at q_len 1
+# (17:11 UTC) and 1.27-1.29x on 7-token non-causal blocks (18:00 UTC); 2-6 tokens not timed
 GLUON_FP8 = True
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
@@ -520,7 +520,7 @@ def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
         return DecodePlan(None, None, None, False, None, True, empty=True)
     fp8 = is_fp8(k_cache.dtype) and is_fp8(v_cache.dtype) and not f32
     if gluon is None:
-        gluon = GLUON_FP8 and max(1, max_query_len) == 1
+        gluon = GLUON_FP8
     if fp8 and gluon and not interpreting():
         plan = _gluon_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
                            mask, scale, soft_cap, sinks, k_scale, v_scale, max_query_len,
@@ -626,7 +626,7 @@ def launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, fl
     head dims and 4-byte aligned entries; ignored otherwise). ``gluon`` runs fp8 caches
     through the Gluon kernel (``decode_gluon.py``: Hopper, head dim 128, blocks of a multiple
     of 16 slots, no window, chunk or soft cap; of the other options only ``splits``, ``num_stages``
-    and ``maxnreg`` apply; default ``GLUON_FP8``, for q_len-1 calls). Other options:
+    and ``maxnreg`` apply; default ``GLUON_FP8``). Other options:
     ``splits``, ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg``."""
     plan = decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag,
                        mask=mask, scale=scale, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,

@@ -28,7 +28,8 @@ Scope (``supported``): Hopper, fp8 K and V of one format, bf16/fp16 queries, hea
 for K and V, blocks of a multiple of 16 slots, heads packed in an entry, float or
 device-memory scales, sinks (in the combine), causal, non-causal and draft-block masks, up
 to 32 (row, head) pairs per KV head; no window/chunk/soft-cap.
-The default for q_len-1 calls it takes (``decode.GLUON_FP8``). H200, 2026-12-04 17:12-17:15
+The default for the fp8 calls it takes (``decode.GLUON_FP8``; 7-token non-causal blocks: 1.27-1.29x
+the Triton fp8 kernel, H200 18:00 UTC). H200, 2026-12-04 17:12-17:15
 UTC (docs/kernels.md, "GQA fp8, lean V^T"): 1.77-1.86x the bf16 kernel's throughput at B32-128,
 context 8K-32K, page 16 (91-98% of device copy at B64-128), against 1.42-1.48x for the form
 that zeroed every tile and 1.26-1.30x for two MMA chains (both deleted since).
