@@ -394,7 +394,8 @@ WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: wit
 # the Gluon fp8 kernel (decode_gluon.py, both products on e4m3 tensor cores) for the fp8
 # calls it takes (``decode_gluon.supported``: up to 32 (row, head) pairs per KV head): on the
 # H200 at B64 p16 (docs/kernels.md) 1.52-1.55x the Triton fp8 kernel's speed at q_len 1
-# (17:11 UTC) and 1.27-1.29x on 7-token non-causal blocks (18:00 UTC); 2-6 tokens not timed
+# (17:11 UTC), 1.30-1.31x on 3- and 4-token non-causal blocks (18:08 UTC), 1.27-1.29x on
+# 7-token ones (18:00 UTC); causal blocks and 2, 5, 6 or 8 tokens not timed
 GLUON_FP8 = True
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 512
