@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from pagedkv.ops.fp8 import is_fp8
+from pagedkv.ops.triton.gluon_common import e4m3_softmax as _e4m3_softmax
 from pagedkv.ops.triton.gluon_common import extents as _extents
 from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
 from pagedkv.ops.triton.mla_gluon_e4m3 import _transpose_pairs
@@ -197,19 +198,7 @@ def _compute(args, GROUP: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
         s = gl.convert_layout(_half_sum(s), t_l)
         seen = ((n0 + kn)[:, None] < hi[None, :]) & ok[:, None]
         s = gl.where(seen, s * pair_scale[None, :], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        # probabilities x 256 in e4m3 (normal down to 2^-14); the sums add what the MMA adds
-        p = gl.exp2(s - m_use[None, :]) * 256.0
-        alpha = gl.exp2(m_i - m_use)
-        m_i = m_new
-        p8 = p.to(e4)
-        pq = p8.to(gl.float32)
-        p8l = (p - pq).to(e4)
-        pq = pq + p8l.to(gl.float32)
-        pt_smem.slice(0, BLOCK_M, dim=0).store(gl.permute(p8, (1, 0)))
-        pt_smem.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(p8l, (1, 0)))
-        l_acc = l_acc * alpha[None, :] + pq
+        alpha, m_i, l_acc = _e4m3_softmax(s, m_i, l_acc, pt_smem, BLOCK_M)
         fence_async_shared()
         gl.thread_barrier()  # V^T and P stored by every warp
         # each tile's value product in a fresh accumulator, added to the running output in

@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from pagedkv.launch import Launch
 from pagedkv.ops.triton.combine import combine_launch, workspace
 from pagedkv.ops.triton.gluon_common import extents as _extents
+from pagedkv.ops.triton.gluon_common import request_tile as _request_tile
 
 RANK, ROPE, BLOCK_M, BLOCK_N, STAGES = 512, 64, 64, 64, 2
 SWAP_ROWS = 16  # rows per program of the transposed kernel
@@ -174,15 +175,9 @@ def _mla_gluon_fwd(
     srow: gl.constexpr = gl.SliceLayout(1, s_l)
     orow: gl.constexpr = gl.SliceLayout(1, o_l)
 
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    b = pid // tiles
-    tile = pid % tiles
-    q_start = gl.load(qsl_ptr + b)
-    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
     if tile * BLOCK_M >= q_len * heads:
         return
-    seq_len = gl.load(lens_ptr + b)
 
     q_smem, qr_smem = _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt,
                                stride_qh, stride_rt, stride_rh, dt, BLOCK_M, R, P, q_l)
@@ -287,15 +282,9 @@ def _mla_gluon_swap(
     per_row: gl.constexpr = gl.SliceLayout(0, t_l)
     per_key: gl.constexpr = gl.SliceLayout(1, t_l)
 
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    b = pid // tiles
-    tile = pid % tiles
-    q_start = gl.load(qsl_ptr + b)
-    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
     if tile * BLOCK_M >= q_len * heads:
         return
-    seq_len = gl.load(lens_ptr + b)
 
     q_smem, qr_smem = _queries(ql_ptr, qr_ptr, q_start, q_len, tile, heads, stride_qt,
                                stride_qh, stride_rt, stride_rh, dt, BLOCK_M, R, P, q_l)

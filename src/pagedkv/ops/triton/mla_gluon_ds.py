@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from pagedkv.ops.fp8 import DS_MLA_GROUP, ds_mla_entry_bytes
 from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
+from pagedkv.ops.triton.gluon_common import request_tile as _request_tile
 from pagedkv.ops.triton.mla_gluon import (
     BLOCK_N,
     RANK,
@@ -175,15 +176,9 @@ def _mla_gluon_ds(
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     v_l: gl.constexpr = gl.BlockedLayout([2, 16], [32, 1], [1, 4], [1, 0])
 
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    b = pid // tiles
-    tile = pid % tiles
-    q_start = gl.load(qsl_ptr + b)
-    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
     if tile * BLOCK_M >= q_len * heads:
         return
-    seq_len = gl.load(lens_ptr + b)
 
     # [n, rows, cols] buffers indexed by a value the compiler cannot fold (``wi``), so that
     # ptxas keeps the wgmma descriptors in the key loop instead of hoisting them

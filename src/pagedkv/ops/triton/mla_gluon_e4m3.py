@@ -52,7 +52,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from pagedkv.ops.triton.gluon_common import e4m3_softmax as _e4m3_softmax
 from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
+from pagedkv.ops.triton.gluon_common import request_tile as _request_tile
 from pagedkv.ops.triton.mla_gluon import _extents, _flag_bad, _issue, _split_tiles, _ws_rows
 
 # ring slots: 64-key e4m3 tiles are 36.9 KB; the transposed latent (32 KB), the queries
@@ -220,15 +222,9 @@ def _mla_gluon_e4m3_stacked(
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     v_l: gl.constexpr = gl.BlockedLayout([2, 16], [32, 1], [1, 4], [1, 0])
 
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    b = pid // tiles
-    tile = pid % tiles
-    q_start = gl.load(qsl_ptr + b)
-    q_len = gl.load(qsl_ptr + b + 1) - q_start
+    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
     if tile * BLOCK_M >= q_len * heads:
         return
-    seq_len = gl.load(lens_ptr + b)
 
     q2_smem = gl.allocate_shared_memory(e4, [1, N2, R],
                                         gl.NVMMASharedLayout.get_default_for([N2, R], e4))
@@ -322,24 +318,11 @@ def _mla_gluon_e4m3_stacked(
                block_size, num_blocks, refill, R)
         s = gl.convert_layout(_half_sum(s2), t_l)
         seen = ((n0 + kn)[:, None] < hi[None, :]) & (bad == 0)
-        # the softmax step written out for the same reason (as a helper call the PTX
-        # orders the steps otherwise)
         s = gl.where(seen, s * row_scale[None, :], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[None, :]) * 256.0
-        alpha = gl.exp2(m_i - m_use)
-        m_i = m_new
-        p8 = p.to(e4)
-        pq = p8.to(gl.float32)
-        p8l = (p - pq).to(e4)
-        l_acc = l_acc * alpha[None, :] + (pq + p8l.to(gl.float32))
-        p2 = p2_smem.index(wi)
-        p2.slice(0, BLOCK_M, dim=0).store(gl.permute(p8, (1, 0)))
-        p2.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(p8l, (1, 0)))
+        alpha, m_i, l_acc = _e4m3_softmax(s, m_i, l_acc, p2_smem.index(wi), BLOCK_M)
         fence_async_shared()
         gl.thread_barrier()  # V^T and P stored by every warp
-        acc0, acc1 = _values_hilo(vt_a, vt_b, p2, o0, acc0, acc1, alpha)
+        acc0, acc1 = _values_hilo(vt_a, vt_b, p2_smem.index(wi), o0, acc0, acc1, alpha)
         gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
         pa, pb, pc, pd = _ring_next(pb, pc, pd, page_next, STAGES)
 

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from pagedkv.ops.triton.gluon_common import request_tile as _request_tile
 from pagedkv.ops.triton.mla_gluon import (
     _extents,
     _flag_bad,
@@ -276,13 +277,7 @@ def _mla_gluon_pph(
     h_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dt)
     p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, P], dt)
 
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    b = pid // tiles
-    tile = pid % tiles
-    q_start = gl.load(qsl_ptr + b)
-    q_len = gl.load(qsl_ptr + b + 1) - q_start
-    seq_len = gl.load(lens_ptr + b)
+    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
     # a tile past the request's rows: every row invalid, so no keys (n_tiles 0), no stores
 
     # queries: latent halves and rope, [1, ...] buffers (indexed by an unfoldable zero)
