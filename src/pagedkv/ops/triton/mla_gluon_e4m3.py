@@ -300,9 +300,8 @@ def _mla_gluon_e4m3_stacked(
                            is_async=True)
         vt_a = vt_smem.index(wi)  # latent columns [0, R / 2) and [R / 2, R) as V^T halves
         vt_b = vt_smem.index(wi + 1)
-        # the transpose written out here, not as a helper call, so that this kernel's SASS
-        # stays the one timed on the H200: as a call the PTX is the same but for its line
-        # info, which ptxas reads (the draft mask's SASS differed)
+        # V^T of the slot while the score MMAs run: the masked byte shuffle only on the
+        # sequence's last tile or one behind a bad block id, key pairs elsewhere
         if (n0 + BLOCK_N > seq_len) | bad:  # the sequence's last, partly written tile
             _transpose_latent(kv, vt_a, vt_b, (n0 + kt < seq_len) & (bad == 0), True, R, H,
                               v_l)
