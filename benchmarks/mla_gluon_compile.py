@@ -33,11 +33,22 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
                 stages: str | None = None):
     if kernel == "ds":
         return compile_ds(mask, dtype, stages)
-    e4m3 = kernel == "e4m3"
+    e4m3 = kernel.startswith("e4m3")
     swap = kernel == "swap" or e4m3
     halves = kernel == "pingpong_halves"
-    fn = mla_gluon_e4m3._mla_gluon_e4m3_stacked if e4m3 else mla_gluon._mla_gluon_swap if swap \
-        else mla_gluon_pph._mla_gluon_pph if halves else mla_gluon._mla_gluon_fwd
+    if e4m3:  # the form, its constexprs and options as plan passes them
+        switches = {"e4m3": {}, "e4m3_stacked": {"WS": False},
+                    "e4m3_one": {"WS": True, "FORM": "one"}}[kernel]
+        kept = {k: getattr(mla_gluon_e4m3, k) for k in switches}
+        for k, v in switches.items():
+            setattr(mla_gluon_e4m3, k, v)
+        fn, consts = mla_gluon_e4m3.form(int(stages) if stages else None)
+        for k, v in kept.items():
+            setattr(mla_gluon_e4m3, k, v)
+    else:
+        fn = mla_gluon._mla_gluon_swap if swap else mla_gluon_pph._mla_gluon_pph if halves \
+            else mla_gluon._mla_gluon_fwd
+        consts = {}
     if (dtype == "fp8") != e4m3:
         raise SystemExit(f"{kernel} on {dtype}: the e4m3 kernel takes fp8 (an e4m3 cache) "
                          "only, the others bf16 / fp16")
@@ -47,16 +58,17 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
     const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
                  BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
                  HAS_DRAFT=mask == "draft")
-    if e4m3:  # constexprs as plan passes them (one left out would compile as an i32 argument)
-        const["STAGES"] = int(stages) if stages else mla_gluon_e4m3.STAGES
-        const["PAIRS"] = mla_gluon_e4m3.PAIRS
+    options = {"num_warps": 4 if swap or halves else 8}
+    if halves:
+        options["maxnreg"] = mla_gluon_pph.PPH_MAXNREG
+    for k in ("num_warps", "maxnreg"):
+        if k in consts:
+            options[k] = consts.pop(k)
+    const.update(consts)
     q = "*fp16" if dtype == "fp16" else "*bf16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
     src = gluon_source(fn, const, ptrs, {"kd": kd, "rd": rd}, ("scale", "lscale"))
-    options = {"num_warps": 4 if swap or halves else 8}
-    if halves:
-        options["maxnreg"] = mla_gluon_pph.PPH_MAXNREG
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

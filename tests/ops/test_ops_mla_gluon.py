@@ -91,17 +91,26 @@ def test_transposed_kernel_compiles_for_sm90_within_shared_memory_without_spills
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
 
 
-@pytest.mark.parametrize("mask,stages", [("causal", None), ("draft", "3"), ("full", "2")])
-def test_e4m3_kernel_compiles_for_sm90_without_spills(mask, stages):
-    """Both products on e4m3: the ring (``STAGES`` slots, 4; also 2 and 3), the transposed
-    latent, hi + lo queries and P fit in shared memory; nothing spills; every MMA is e4m3,
-    hi and lo side by side as N = 32: m64n32k32, 18 for the scores (64 keys x 576 columns)
-    and 16 for the values (8 x m64 over 64 keys, two k-steps)."""
-    use = compiled_for_sm90(mask, "fp8", "e4m3", stages)
+@pytest.mark.parametrize("mask,stages,kernel", [("causal", None, "e4m3"), ("draft", "2", "e4m3"),
+                                                ("full", None, "e4m3_one"),
+                                                ("causal", None, "e4m3_stacked"),
+                                                ("draft", "3", "e4m3_stacked"),
+                                                ("full", "2", "e4m3_stacked")])
+def test_e4m3_kernel_compiles_for_sm90_without_spills(mask, stages, kernel):
+    """Both products on e4m3, each form (the ping-pong default, one MMA warpgroup beside the
+    transposing one, one warpgroup doing both): the ring, the transposed latent, hi + lo
+    queries and P fit in shared memory; the longest loop (the transposer's, or the one
+    warpgroup's) never touches local memory, and the one-warpgroup kernel has no stack at
+    all (the warp-specialized ones keep a few values there across their partitions); every
+    MMA is e4m3, hi and lo side by side as N = 32: m64n32k32, 18 for the scores (64 keys x
+    576 columns) and 16 for the values (8 x m64 over 64 keys, two k-steps), per MMA
+    warpgroup."""
+    use = compiled_for_sm90(mask, "fp8", kernel, stages)
     assert 0 < use["shared"] <= SHARED_LIMIT, use
-    assert use["loop_spills"] == 0 and use["LOCAL"] == 0 and use["STACK"] == 0, use
+    assert use["loop_spills"] == 0 and use["LOCAL"] == 0, use
+    assert use["STACK"] == 0 or kernel != "e4m3_stacked", use
     wgmma = {k.split(".")[4]: n for k, n in use["ptx"].items() if k.startswith("wgmma")}
-    assert wgmma == {"m64n32k32": 34}, use
+    assert wgmma == {"m64n32k32": 68 if kernel == "e4m3" else 34}, use
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "e4m3.e4m3" not in k], use
     assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
 
@@ -295,16 +304,20 @@ def test_gluon_fp8_kept_plan_matches_float64_on_every_call(variant):
                                [q_len] * 3, Mask(), sm)
 
 
-@pytest.mark.parametrize("stages,pairs", [(2, False), (2, True), (3, True), (3, False),
-                                          (4, False)])
-def test_e4m3_other_forms_match_float64(monkeypatch, stages, pairs):
-    """The e4m3 kernel's other compiled forms: ring slots, the compiler's own transpose."""
+@pytest.mark.parametrize("stages,pairs,ws", [(2, False, False), (2, True, False),
+                                             (3, True, False), (3, False, False),
+                                             (4, False, False), (4, True, False),
+                                             (2, True, True), (2, False, True)])
+def test_e4m3_other_forms_match_float64(monkeypatch, stages, pairs, ws):
+    """The e4m3 kernel's other compiled forms: ring slots, the compiler's own transpose,
+    one warpgroup or two (``WS``)."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_e4m3
 
     _needs_hopper()
     monkeypatch.setattr(mla_gluon_e4m3, "STAGES", stages)
     monkeypatch.setattr(mla_gluon_e4m3, "PAIRS", pairs)
+    monkeypatch.setattr(mla_gluon_e4m3, "WS", ws)
     monkeypatch.setattr(triton_mla, "_GLUON_PLANS", {})
     test_gluon_fp8_matches_float64_over_the_dequantized_latent(
         16, [1] * 4, [4097, 63, 640, 2000], Mask(), 128, 3, torch.bfloat16, "e4m3")
@@ -368,8 +381,10 @@ def test_gluon_true_refused_off_hopper_and_default_off_under_the_interpreter(mon
 
 
 def test_fp8_variants_pick_their_kernel_and_are_refused_elsewhere(monkeypatch):
-    """``plan`` launches the e4m3 kernel (stacked, 4 warps, the module's ring depth and
-    transpose, the latent scale as its last scalar) for an e4m3 cache of <= 16 rows,
+    """``plan`` launches the e4m3 kernel of the module's switches (the ping-pong, one-MMA-
+    warpgroup or one-warpgroup form, 4 warps, the form's ring depth, the module's transpose,
+    the latent scale as its last scalar, two workspace splits per split for the ping-pong
+    form) for an e4m3 cache of <= 16 rows,
     named or not, and the bf16 kernel with scale 1 for a bf16 cache; the deleted "widen"
     name, an fp8 name on a bf16 cache, and any Gluon name off Hopper / under the
     interpreter, are refused with the reason."""
@@ -392,11 +407,21 @@ def test_fp8_variants_pick_their_kernel_and_are_refused_elsewhere(monkeypatch):
 
     assert gluon_mod.FP8_VARIANTS == ("e4m3",)
     monkeypatch.setattr(mla_gluon_e4m3, "STAGES", 3)
-    for name in ("e4m3", None):
-        fn, consts, scalars = kernel(name)
-        assert fn is mla_gluon_e4m3._mla_gluon_e4m3_stacked and consts["num_warps"] == 4
-        assert consts["STAGES"] == 3 and consts["PAIRS"] is mla_gluon_e4m3.PAIRS
-        assert scalars[-1] == 0.25
+    forms = [({"WS": True, "FORM": "pp", "PP_VT": 2}, mla_gluon_e4m3._mla_gluon_e4m3_pp, 3, 2),
+             ({"WS": True, "FORM": "pp", "PP_VT": 4}, mla_gluon_e4m3._mla_gluon_e4m3_pp, 2, 2),
+             ({"WS": True, "FORM": "one"}, mla_gluon_e4m3._mla_gluon_e4m3_ws, 3, 1),
+             ({"WS": False}, mla_gluon_e4m3._mla_gluon_e4m3_stacked, 3, 1)]
+    for switches, want, stages, per_split in forms:
+        for k, v in switches.items():
+            monkeypatch.setattr(mla_gluon_e4m3, k, v)
+        for name in ("e4m3", None):
+            made = gluon_mod.plan(ql, qr, cache, qsl, lens, table, out, scale=0.1, mask=CAUSAL,
+                                  tiles=1, splits=2, block_m=16, variant=name,
+                                  latent_scale=0.25)
+            fn, consts, scalars = made.kernel.kernel, made.kernel.consts, made.kernel.scalars
+            assert fn is want and consts["num_warps"] == 4, switches
+            assert consts["STAGES"] == stages and consts["PAIRS"] is mla_gluon_e4m3.PAIRS
+            assert scalars[-1] == 0.25 and made.ws_shape[2] == 2 * per_split, switches
     fn, consts, scalars = kernel(None, cache.bfloat16())
     assert fn is gluon_mod._mla_gluon_swap and consts["STAGES"] == gluon_mod.STAGES
     assert scalars[-1] == 1.0 and "PAIRS" not in consts

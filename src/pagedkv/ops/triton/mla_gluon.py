@@ -469,12 +469,13 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     rows, heads = ql.shape[:2]
     consts = dict(R=RANK, P=ROPE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, num_warps=8)
-    scalars = ()
+    scalars, ws_splits = (), splits
     if e4m3:
         from pagedkv.ops.triton import mla_gluon_e4m3
 
-        fn, consts["num_warps"] = mla_gluon_e4m3._mla_gluon_e4m3_stacked, 4
-        consts["STAGES"], consts["PAIRS"] = mla_gluon_e4m3.STAGES, mla_gluon_e4m3.PAIRS
+        fn, form_consts = mla_gluon_e4m3.form()
+        consts.update(form_consts)
+        ws_splits = splits * mla_gluon_e4m3.workspace_splits(fn)
         scalars = (float(latent_scale),)
     elif swap:
         fn, consts["num_warps"] = _mla_gluon_swap, 4
@@ -490,7 +491,7 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
                         kd, rd, ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1),
                         table.stride(0), num_blocks, block_size, heads, scale,
                         mask.draft_block or 0, tiles, splits, *scalars), consts)
-    ws_shape = (rows, heads, splits, RANK)
+    ws_shape = (rows, heads, ws_splits, RANK)
     return Plan(kernel, combine_launch(ws_shape, out, query_start_loc, None), ws_shape, (kd, rd))
 
 

@@ -64,6 +64,17 @@ STAGES = 4
 # the latent transposed as key pairs through two byte permutes per 4 pairs (``_transpose_pairs``);
 # False: the compiler's own byte shuffle (``_transpose_latent``, ~3x the permutes)
 PAIRS = True
+# the warp-specialized form (``_mla_gluon_e4m3_ws``): a second warpgroup transposes each
+# tile's latent into one of two V^T buffers while the kernel's own warpgroup runs the MMAs
+# and the softmax; False: ``_mla_gluon_e4m3_stacked``, one warpgroup doing both in turn
+WS = True
+# with WS: "pp" = ``_mla_gluon_e4m3_pp`` (two MMA warpgroups), "one" = ``_mla_gluon_e4m3_ws``
+FORM = "pp"
+# its registers: 168 a thread at launch (8 warps), the transposing warpgroup set to
+# ``WS_WORKER_REGS``, the MMA warpgroup to the rest (240)
+WS_MAXNREG = 168
+WS_WORKER_REGS = gl.constexpr(96)
+PROBE = 0  # TEMP
 
 
 @gluon.jit
@@ -329,3 +340,421 @@ def _mla_gluon_e4m3_stacked(
         mbarrier.invalidate(bars.index(i))
     _store_halves(ws_o, ws_m, ws_l, m_r, m_i, l_acc, acc0, acc1, tile, q_start, q_len, heads,
                   num_splits, split, lscale, BLOCK_M, R)
+
+
+@gluon.jit
+def _ws_transposer(args, R: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   PAIRS: gl.constexpr, PROBE: gl.constexpr, VT: gl.constexpr):
+    """The transposing warpgroup: tile t's latent, once its copy lands, into V^T buffer
+    pair t % VT once the MMA warpgroups are done with tile t - VT's (masked as in
+    ``_mla_gluon_e4m3_stacked``); signals ``vt_ready``. Each tile's block id is read one
+    tile ahead."""
+    (kv_smem, vt_smem, bars, vt_ready, vt_free, table_row, s_lo, n_tiles, block_size,
+     num_blocks, seq_len) = args
+    H: gl.constexpr = R // 2
+    v_l: gl.constexpr = gl.BlockedLayout([2, 16], [32, 1], [1, 4], [1, 0])
+    vt16_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N,
+                                                  element_bitwidth=16, rank=2)
+    kt = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_l))
+    page = gl.load(table_row + s_lo // block_size, mask=n_tiles > 0, other=0)
+    for it in range(n_tiles):
+        j = it % VT
+        n0 = s_lo + it * BLOCK_N
+        page_nx = gl.load(table_row + (n0 + BLOCK_N) // block_size, mask=it + 1 < n_tiles,
+                          other=0)
+        bad = (page < 0) | (page >= num_blocks)
+        vt_a = vt_smem.index(2 * j)
+        vt_b = vt_smem.index(2 * j + 1)
+        mbarrier.wait(vt_free.index(j), ((it // VT) & 1) ^ 1)  # (fresh: passes)
+        mbarrier.wait(bars.index(it % STAGES), (it // STAGES) & 1)
+        kv = kv_smem.index(it % STAGES)
+        if PROBE == 1:
+            pass
+        elif (n0 + BLOCK_N > seq_len) | bad:  # the sequence's last, partly written tile
+            _transpose_latent(kv, vt_a, vt_b, (n0 + kt < seq_len) & (bad == 0), True, R, H,
+                              v_l)
+        elif PAIRS:
+            _transpose_pairs(kv, vt_a._reinterpret(gl.int16, [H, BLOCK_N // 2], vt16_lay),
+                             vt_b._reinterpret(gl.int16, [H, BLOCK_N // 2], vt16_lay), R, H,
+                             v_l)
+        else:
+            _transpose_latent(kv, vt_a, vt_b, kt, False, R, H, v_l)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(vt_ready.index(j), count=1)
+        page = page_nx
+
+
+@gluon.jit
+def _ws_mma(args, out_args, row_scale, pa, pb, pc, pd, R: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr):
+    """The kernel's own warpgroup: per tile the score MMAs, the softmax and P, then (V^T
+    ready, so the ring slot has no other reader) the slot's refill and the value MMAs;
+    releases the V^T pair. Writes the split's workspace rows (so no value lives across the
+    warp-specialized region: ptxas would keep it on the stack)."""
+    (q2_smem, q2r_smem, kv_smem, kr_smem, vt_smem, p2_smem, bars, vt_ready, vt_free, kd, rd,
+     table_row, s_lo, n_tiles, block_size, num_blocks, flag_ptr, hi) = args
+    ws_o, ws_m, ws_l, tile, q_start, q_len, heads, num_splits, split, lscale = out_args
+    N2: gl.constexpr = 2 * BLOCK_M
+    H: gl.constexpr = R // 2
+    t2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, N2, 32])
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 32])
+    per_row: gl.constexpr = gl.SliceLayout(0, t_l)
+    per_key: gl.constexpr = gl.SliceLayout(1, t_l)
+    s0 = gl.zeros([BLOCK_N, N2], gl.float32, layout=t2_l)
+    o0 = gl.zeros([H, N2], gl.float32, layout=t2_l)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    acc0 = _half_sum(o0)
+    acc1 = acc0
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
+    kn = gl.arange(0, BLOCK_N, layout=per_key)
+    for it in range(n_tiles):
+        stage = it % STAGES
+        j = it % 2
+        n0 = s_lo + it * BLOCK_N
+        wi = it // (n_tiles + 1)  # always 0
+        page = pa
+        refill = it + STAGES < n_tiles
+        page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
+                            other=0)
+        bad = _flag_bad(page, num_blocks, flag_ptr)
+        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+        s2 = warpgroup_mma(kv_smem.index(stage), q2_smem.index(wi).permute((1, 0)), s0,
+                           use_acc=False, is_async=True)
+        s2 = warpgroup_mma(kr_smem.index(stage), q2r_smem.index(wi).permute((1, 0)), s2,
+                           is_async=True)
+        s2 = warpgroup_mma_wait(0, deps=[s2])
+        s = gl.convert_layout(_half_sum(s2), t_l)
+        seen = ((n0 + kn)[:, None] < hi[None, :]) & (bad == 0)
+        s = gl.where(seen, s * row_scale[None, :], float("-inf"))
+        alpha, m_i, l_acc = _e4m3_softmax(s, m_i, l_acc, p2_smem.index(wi), BLOCK_M)
+        fence_async_shared()
+        gl.thread_barrier()  # P stored and every warp's score MMAs over
+        mbarrier.wait(vt_ready.index(j), (it // 2) & 1)
+        _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+               block_size, num_blocks, refill, R)
+        if PROBE != 2:
+            acc0, acc1 = _values_hilo(vt_smem.index(2 * j + wi), vt_smem.index(2 * j + 1 + wi),
+                                      p2_smem.index(wi), o0, acc0, acc1, alpha)
+        gl.thread_barrier()  # every warp's value MMAs over: V^T pair j and P are free
+        mbarrier.arrive(vt_free.index(j), count=1)
+        pa, pb, pc, pd = _ring_next(pb, pc, pd, page_next, STAGES)
+    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
+    _store_halves(ws_o, ws_m, ws_l, m_r, m_i, l_acc, acc0, acc1, tile, q_start, q_len, heads,
+                  num_splits, split, lscale, BLOCK_M, R)
+
+
+@gluon.jit
+def _mla_gluon_e4m3_ws(
+    ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
+    num_blocks, block_size, heads, scale, draft, tiles, num_splits, lscale,
+    R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+    PAIRS: gl.constexpr = True, PROBE: gl.constexpr = 0,
+):
+    """``_mla_gluon_e4m3_stacked`` on two warpgroups (``WS``): the V^T transpose, about
+    half of a tile's instructions, runs in its own warpgroup into two alternating V^T
+    buffers, so it overlaps the MMA warpgroup's work on the previous tile; the profile
+    (docs/kernels.md, Nsight Compute) found the one-warpgroup kernel bound by one warp per
+    scheduler issuing. Same workspace output."""
+    gl.static_assert(gl.num_warps() == 4)
+    gl.static_assert(STAGES <= 3)  # 3 x 36.9 KB ring + 2 x 32 KB V^T + queries, P
+    e4: gl.constexpr = gl.float8e4nv
+    N2: gl.constexpr = 2 * BLOCK_M
+    H: gl.constexpr = R // 2
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 32])
+    per_row: gl.constexpr = gl.SliceLayout(0, t_l)
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+
+    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
+    if tile * BLOCK_M >= q_len * heads:
+        return
+
+    q2_smem = gl.allocate_shared_memory(e4, [1, N2, R],
+                                        gl.NVMMASharedLayout.get_default_for([N2, R], e4))
+    q2r_smem = gl.allocate_shared_memory(e4, [1, N2, P],
+                                         gl.NVMMASharedLayout.get_default_for([N2, P], e4))
+    kv_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, R], kd.layout)
+    kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
+    vt_smem = gl.allocate_shared_memory(
+        e4, [4, H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], e4))
+    p2_smem = gl.allocate_shared_memory(
+        e4, [1, N2, BLOCK_N], gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4))
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_l)
+    vt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(vt_ready.index(i), count=1)
+        mbarrier.init(vt_free.index(i), count=1)
+
+    # the queries as e4m3 hi + lo, interleaved rows
+    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    tq = (q_start + mq // heads).to(gl.int64)
+    qmask = (mq // heads < q_len)[:, None]
+    x = gl.load(ql_ptr + tq[:, None] * stride_qt + (mq % heads)[:, None] * stride_qh
+                + gl.arange(0, R, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0).to(gl.float32)
+    y = gl.load(qr_ptr + tq[:, None] * stride_rt + (mq % heads)[:, None] * stride_rh
+                + gl.arange(0, P, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.abs(x), 1), gl.max(gl.abs(y), 1))
+    sq = gl.where(amax > 0, amax / 448.0, 1.0)
+    x = x / sq[:, None]
+    xh = x.to(e4)
+    q2_smem.index(0).slice(0, BLOCK_M, dim=0).store(xh)
+    q2_smem.index(0).slice(BLOCK_M, BLOCK_M, dim=0).store((x - xh.to(gl.float32)).to(e4))
+    y = y / sq[:, None]
+    yh = y.to(e4)
+    q2r_smem.index(0).slice(0, BLOCK_M, dim=0).store(yh)
+    q2r_smem.index(0).slice(BLOCK_M, BLOCK_M, dim=0).store((y - yh.to(gl.float32)).to(e4))
+    fence_async_shared()  # the queries' stores and the barriers' init, before async readers
+    gl.thread_barrier()
+    row_scale = gl.convert_layout(sq, per_row) * (scale * lscale * 1.4426950408889634)
+
+    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
+    hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
+    table_row = table_ptr + b.to(gl.int64) * stride_tb
+    pa, pb, pc, pd = _ring_fill(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles,
+                                block_size, num_blocks, STAGES, BLOCK_N, R)
+    mma_args = (q2_smem, q2r_smem, kv_smem, kr_smem, vt_smem, p2_smem, bars, vt_ready,
+                vt_free, kd, rd, table_row, s_lo, n_tiles, block_size, num_blocks, flag_ptr, hi)
+    t_args = (kv_smem, vt_smem, bars, vt_ready, vt_free, table_row, s_lo, n_tiles, block_size,
+              num_blocks, seq_len)
+    out_args = (ws_o, ws_m, ws_l, tile, q_start, q_len, heads, num_splits, split, lscale)
+    gl.warp_specialize(
+        [(_ws_mma, (mma_args, out_args, row_scale, pa, pb, pc, pd, R, BLOCK_M, BLOCK_N,
+                    STAGES, PROBE)),
+         (_ws_transposer, (t_args, R, BLOCK_N, STAGES, PAIRS, PROBE, 2))], [4],
+        [WS_WORKER_REGS])
+
+
+# the ping-pong form (``_mla_gluon_e4m3_pp``): registers at launch (12 warps), each MMA
+# warpgroup set to ``PP_MMA_REGS``, the transposing warpgroup (the kernel's own) to the rest
+PP_MAXNREG = 168
+PP_MMA_REGS = gl.constexpr(224)
+# V^T buffer pairs of the ping-pong form: 2 (one per MMA warpgroup) with 3 ring slots, or 4
+# (the transposer up to two tiles ahead of each) with 2
+PP_VT = 2
+
+
+@gluon.jit
+def _values_one_by_one(vt_a, vt_b, p2, o0, acc0, acc1, alpha):
+    """``_values_hilo`` with one half's product in flight at a time (64 accumulator
+    registers instead of 128: the ping-pong form's MMA warpgroups have 232)."""
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, acc0.type.layout))
+    o_a = warpgroup_mma(vt_a, p2.permute((1, 0)), o0, use_acc=False, is_async=True)
+    o_a = warpgroup_mma_wait(0, deps=[o_a])
+    acc0 = acc0 * alpha_o[None, :] + _half_sum(o_a)
+    o_b = warpgroup_mma(vt_b, p2.permute((1, 0)), o0, use_acc=False, is_async=True)
+    o_b = warpgroup_mma_wait(0, deps=[o_b])
+    acc1 = acc1 * alpha_o[None, :] + _half_sum(o_b)
+    return acc0, acc1
+
+
+@gluon.jit
+def _pp_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            HAS_DRAFT: gl.constexpr, VT: gl.constexpr):
+    """MMA warpgroup G: the tiles u = G mod 2 of the split, each as ``_ws_mma`` does one
+    (scores, softmax, P; V^T pair G ready: the slot's refill, the value MMAs), into its own
+    running state, written as workspace split 2 split + G (the combine merges the two like
+    any splits)."""
+    (q2_smem, q2r_smem, kv_smem, kr_smem, vt_smem, p2_smem, rs_smem, bars, vt_ready, vt_free,
+     kd, rd, table_row, s_lo, n_tiles, block_size, num_blocks, flag_ptr, seq_len, draft,
+     ws_o, ws_m, ws_l, tile, q_start, q_len, heads, num_splits, split, lscale) = args
+    N2: gl.constexpr = 2 * BLOCK_M
+    H: gl.constexpr = R // 2
+    t2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, N2, 32])
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 32])
+    per_row: gl.constexpr = gl.SliceLayout(0, t_l)
+    per_key: gl.constexpr = gl.SliceLayout(1, t_l)
+    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
+    hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    row_scale = rs_smem.index(0).load(per_row)
+    s0 = gl.zeros([BLOCK_N, N2], gl.float32, layout=t2_l)
+    o0 = gl.zeros([H, N2], gl.float32, layout=t2_l)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    acc0 = _half_sum(o0)
+    acc1 = acc0
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
+    kn = gl.arange(0, BLOCK_N, layout=per_key)
+    n_own = gl.maximum(n_tiles - G + 1, 0) // 2
+    # block ids of the own tile and of the tile its slot takes next, read one own tile ahead
+    n0 = s_lo + G * BLOCK_N
+    page = gl.load(table_row + n0 // block_size, mask=n_own > 0, other=0)
+    page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size,
+                        mask=G + STAGES < n_tiles, other=0)
+    for j in range(n_own):
+        u = G + 2 * j
+        stage = u % STAGES
+        vb = u % VT
+        n0 = s_lo + u * BLOCK_N
+        wi = j // (n_tiles + 1)  # always 0
+        refill = u + STAGES < n_tiles
+        page_a = gl.load(table_row + (n0 + 2 * BLOCK_N) // block_size, mask=u + 2 < n_tiles,
+                         other=0)
+        page_b = gl.load(table_row + (n0 + (STAGES + 2) * BLOCK_N) // block_size,
+                         mask=u + 2 + STAGES < n_tiles, other=0)
+        bad = _flag_bad(page, num_blocks, flag_ptr)
+        mbarrier.wait(bars.index(stage), (u // STAGES) & 1)
+        s2 = warpgroup_mma(kv_smem.index(stage), q2_smem.index(wi).permute((1, 0)), s0,
+                           use_acc=False, is_async=True)
+        s2 = warpgroup_mma(kr_smem.index(stage), q2r_smem.index(wi).permute((1, 0)), s2,
+                           is_async=True)
+        s2 = warpgroup_mma_wait(0, deps=[s2])
+        s = gl.convert_layout(_half_sum(s2), t_l)
+        seen = ((n0 + kn)[:, None] < hi[None, :]) & (bad == 0)
+        s = gl.where(seen, s * row_scale[None, :], float("-inf"))
+        alpha, m_i, l_acc = _e4m3_softmax(s, m_i, l_acc, p2_smem.index(G + wi), BLOCK_M)
+        fence_async_shared()
+        gl.thread_barrier()  # P stored and every warp's score MMAs over
+        mbarrier.wait(vt_ready.index(vb), (u // VT) & 1)
+        _issue(kd, rd, kv_smem, kr_smem, bars, page_next, n0 + STAGES * BLOCK_N, stage,
+               block_size, num_blocks, refill, R)
+        acc0, acc1 = _values_one_by_one(vt_smem.index(2 * vb + wi),
+                                        vt_smem.index(2 * vb + 1 + wi), p2_smem.index(G + wi),
+                                        o0, acc0, acc1, alpha)
+        gl.thread_barrier()  # every warp's value MMAs over: V^T pair vb and P are free
+        mbarrier.arrive(vt_free.index(vb), count=1)
+        page = page_a
+        page_next = page_b
+    _store_halves(ws_o, ws_m, ws_l, m_r, m_i, l_acc, acc0, acc1, tile, q_start, q_len, heads,
+                  2 * num_splits, 2 * split + G, lscale, BLOCK_M, R)
+
+
+@gluon.jit
+def _pp_mma0(args, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+             VT: gl.constexpr):
+    _pp_mma(args, 0, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT, VT)
+
+
+@gluon.jit
+def _pp_mma1(args, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+             VT: gl.constexpr):
+    _pp_mma(args, 1, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT, VT)
+
+
+@gluon.jit
+def _mla_gluon_e4m3_pp(
+    ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
+    num_blocks, block_size, heads, scale, draft, tiles, num_splits, lscale,
+    R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+    PAIRS: gl.constexpr = True, PROBE: gl.constexpr = 0, VT: gl.constexpr = 2,
+):
+    """``_mla_gluon_e4m3_ws`` with two MMA warpgroups taking alternate tiles (each its own
+    V^T pair, P buffer and running state, written as two workspace splits, so
+    ``num_splits`` here is half the workspace's), the kernel's own warpgroup transposing
+    every tile: the one MMA warpgroup of ``_ws_mma`` was the bound (H200 probes,
+    docs/kernels.md)."""
+    gl.static_assert(gl.num_warps() == 4)
+    # 3 x 36.9 KB ring + 2 x 32 KB V^T, or 2 x 36.9 + 4 x 32, + queries, P
+    gl.static_assert(STAGES * 37 + VT * 32 <= 202)
+    e4: gl.constexpr = gl.float8e4nv
+    N2: gl.constexpr = 2 * BLOCK_M
+    H: gl.constexpr = R // 2
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    r_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+
+    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
+    if tile * BLOCK_M >= q_len * heads:
+        return
+
+    q2_smem = gl.allocate_shared_memory(e4, [1, N2, R],
+                                        gl.NVMMASharedLayout.get_default_for([N2, R], e4))
+    q2r_smem = gl.allocate_shared_memory(e4, [1, N2, P],
+                                         gl.NVMMASharedLayout.get_default_for([N2, P], e4))
+    kv_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, R], kd.layout)
+    kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
+    vt_smem = gl.allocate_shared_memory(
+        e4, [2 * VT, H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], e4))
+    p2_smem = gl.allocate_shared_memory(
+        e4, [2, N2, BLOCK_N], gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4))
+    rs_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_l)
+    vt_ready = gl.allocate_shared_memory(gl.int64, [VT, 1], bar_l)
+    vt_free = gl.allocate_shared_memory(gl.int64, [VT, 1], bar_l)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(VT):
+        mbarrier.init(vt_ready.index(i), count=1)
+        mbarrier.init(vt_free.index(i), count=1)
+
+    # the queries as e4m3 hi + lo, interleaved rows; each row's score scale for both
+    # MMA warpgroups
+    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    tq = (q_start + mq // heads).to(gl.int64)
+    qmask = (mq // heads < q_len)[:, None]
+    x = gl.load(ql_ptr + tq[:, None] * stride_qt + (mq % heads)[:, None] * stride_qh
+                + gl.arange(0, R, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0).to(gl.float32)
+    y = gl.load(qr_ptr + tq[:, None] * stride_rt + (mq % heads)[:, None] * stride_rh
+                + gl.arange(0, P, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.abs(x), 1), gl.max(gl.abs(y), 1))
+    sq = gl.where(amax > 0, amax / 448.0, 1.0)
+    x = x / sq[:, None]
+    xh = x.to(e4)
+    q2_smem.index(0).slice(0, BLOCK_M, dim=0).store(xh)
+    q2_smem.index(0).slice(BLOCK_M, BLOCK_M, dim=0).store((x - xh.to(gl.float32)).to(e4))
+    y = y / sq[:, None]
+    yh = y.to(e4)
+    q2r_smem.index(0).slice(0, BLOCK_M, dim=0).store(yh)
+    q2r_smem.index(0).slice(BLOCK_M, BLOCK_M, dim=0).store((y - yh.to(gl.float32)).to(e4))
+    rs_smem.index(0).store(gl.convert_layout(sq, r_l)
+                           * (scale * lscale * 1.4426950408889634))
+    fence_async_shared()  # the queries' stores and the barriers' init, before async readers
+    gl.thread_barrier()
+
+    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=r_l)
+    hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
+    table_row = table_ptr + b.to(gl.int64) * stride_tb
+    _ring_fill(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, block_size,
+               num_blocks, STAGES, BLOCK_N, R)
+    mma_args = (q2_smem, q2r_smem, kv_smem, kr_smem, vt_smem, p2_smem, rs_smem, bars, vt_ready,
+                vt_free, kd, rd, table_row, s_lo, n_tiles, block_size, num_blocks, flag_ptr,
+                seq_len, draft, ws_o, ws_m, ws_l, tile, q_start, q_len, heads, num_splits,
+                split, lscale)
+    t_args = (kv_smem, vt_smem, bars, vt_ready, vt_free, table_row, s_lo, n_tiles, block_size,
+              num_blocks, seq_len)
+    gl.warp_specialize(
+        [(_ws_transposer, (t_args, R, BLOCK_N, STAGES, PAIRS, PROBE, VT)),
+         (_pp_mma0, (mma_args, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT, VT)),
+         (_pp_mma1, (mma_args, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT, VT))],
+        [4, 4], [PP_MMA_REGS, PP_MMA_REGS])
+
+
+def form(stages: int | None = None) -> tuple[object, dict]:
+    """The kernel the switches (``WS``, ``FORM``, ``PP_VT``, ``STAGES`` or ``stages``,
+    ``PAIRS``) pick, with the constexprs and launch options ``mla_gluon.plan`` passes it;
+    the ping-pong kernel writes two workspace splits per grid split
+    (``workspace_splits``)."""
+    st = stages or STAGES
+    consts = dict(num_warps=4, PAIRS=PAIRS)
+    if not WS:
+        return _mla_gluon_e4m3_stacked, dict(consts, STAGES=st)
+    if FORM == "one":
+        return _mla_gluon_e4m3_ws, dict(consts, STAGES=min(st, 3), maxnreg=WS_MAXNREG)
+    return _mla_gluon_e4m3_pp, dict(consts, STAGES=2 if PP_VT == 4 else min(st, 3), VT=PP_VT,
+                                    maxnreg=PP_MAXNREG)
+
+
+def workspace_splits(fn) -> int:
+    """Workspace splits a program of kernel ``fn`` writes."""
+    return 2 if fn is _mla_gluon_e4m3_pp else 1
