@@ -131,22 +131,20 @@ GLUON_VARIANTS = [{"gluon": False}] + [
 # mla_h128, mla_ds, mla_fp8; default all)
 MLA_FAMILIES = [f for f in os.environ.get("PAGEDKV_BENCH_MLA_FAMILIES", "").split(",") if f]
 # --gluon, MLA fp8: after the e4m3 kernel as it is (mla_gluon.FP8_VARIANTS), the same kernel
-# at other ring depths, splits and forms (PAGEDKV_BENCH_E4M3: a comma list of
-# stages:splits[:ws], splits 0 = the default, ws 1 / 0 = the warp-specialized form or the
-# one-warpgroup one, left out = mla_gluon_e4m3.WS)
+# at other ring depths and splits (PAGEDKV_BENCH_E4M3: a comma list of stages:splits, splits
+# 0 = the default)
 
 
-def _e4m3_form(spec: str) -> tuple[dict, int, bool | None]:
-    if spec.count(":") not in (1, 2):
-        raise SystemExit(f"PAGEDKV_BENCH_E4M3 entry {spec!r}: stages:splits[:ws] (the stacked "
-                         "and warpgroups fields went with the deleted forms)")
-    st, sp, *ws = spec.split(":")
-    return ({"gluon": "e4m3", **({"splits": int(sp)} if int(sp) else {})}, int(st),
-            bool(int(ws[0])) if ws else None)
+def _e4m3_form(spec: str) -> tuple[dict, int]:
+    if spec.count(":") != 1:
+        raise SystemExit(f"PAGEDKV_BENCH_E4M3 entry {spec!r}: stages:splits (the stacked and "
+                         "warpgroups fields went with the deleted forms)")
+    st, sp = spec.split(":")
+    return {"gluon": "e4m3", **({"splits": int(sp)} if int(sp) else {})}, int(st)
 
 
 E4M3_SWEEP = [_e4m3_form(x) for x in os.environ.get(
-    "PAGEDKV_BENCH_E4M3", "3:0,2:0,4:4").split(",") if x]
+    "PAGEDKV_BENCH_E4M3", "2:0,3:4").split(",") if x]
 
 
 @contextlib.contextmanager
@@ -165,14 +163,13 @@ def kernel_switches(module, plans: dict, **values):
         plans.clear()
 
 
-def e4m3_form(stages: int | None, ws: bool | None = None):
-    """The e4m3 MLA kernel's ring slots set to ``stages`` and its form to ``ws`` (None: as
-    they are) for the block."""
+def e4m3_form(stages: int | None):
+    """The e4m3 MLA kernel's ring slots set to ``stages`` (None: as they are) for the
+    block."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_e4m3 as e4
 
-    return kernel_switches(e4, triton_mla._GLUON_PLANS, STAGES=stages or e4.STAGES,
-                           WS=e4.WS if ws is None else ws)
+    return kernel_switches(e4, triton_mla._GLUON_PLANS, STAGES=stages or e4.STAGES)
 
 
 # --gluon, MLA fp8_ds_mla: the Triton kernel (gluon=False) and the Gluon kernel (mla_gluon_ds,
@@ -598,12 +595,10 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
             if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                 record_graphed(case, name, fn, nbytes, flops)
     if fmt == "fp8" and GLUON[0]:  # the e4m3 Gluon kernel by name, then its sweep
-        for over, stages, ws in [({"gluon": v}, None, None) for v in mla_gluon.FP8_VARIANTS] \
-                + E4M3_SWEEP:
-            name = config_name(over) + (f"[stages={stages}]" if stages else "") + (
-                f"[ws={int(ws)}]" if ws is not None else "")
+        for over, stages in [({"gluon": v}, None) for v in mla_gluon.FP8_VARIANTS] + E4M3_SWEEP:
+            name = config_name(over) + (f"[stages={stages}]" if stages else "")
             fn = lambda over=over: run(**over)  # noqa: E731
-            with e4m3_form(stages, ws):
+            with e4m3_form(stages):
                 if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                     record_graphed(case, name, fn, nbytes, flops)
     if fmt == "fp8_ds_mla" and GLUON[0]:  # the Triton kernel, the Gluon one per ring depth

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Compile the Gluon MLA kernel for sm_90 on any machine (no GPU needed) and print, as one
 JSON line: shared memory bytes, registers / stack / local bytes per thread (cuobjdump), the
-local-memory accesses inside the key loop (SASS), and the count of each wgmma / TMA
-instruction kind in the PTX.
+local-memory accesses inside the key loop (SASS), and the count of each wgmma / TMA /
+ldmatrix / stmatrix / setmaxnreg instruction kind in the PTX.
 
 Usage: PYTHONPATH=src python benchmarks/mla_gluon_compile.py [causal|draft|full]
 [bf16|fp16|fp8] [rows|pingpong_halves|swap|e4m3|ds] [stages] (fp8: an e4m3 cache, bf16
@@ -33,22 +33,11 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
                 stages: str | None = None):
     if kernel == "ds":
         return compile_ds(mask, dtype, stages)
-    e4m3 = kernel.startswith("e4m3")
+    e4m3 = kernel == "e4m3"
     swap = kernel == "swap" or e4m3
     halves = kernel == "pingpong_halves"
-    if e4m3:  # the form, its constexprs and options as plan passes them
-        switches = {"e4m3": {}, "e4m3_stacked": {"WS": False},
-                    "e4m3_one": {"WS": True, "FORM": "one"}}[kernel]
-        kept = {k: getattr(mla_gluon_e4m3, k) for k in switches}
-        for k, v in switches.items():
-            setattr(mla_gluon_e4m3, k, v)
-        fn, consts = mla_gluon_e4m3.form(int(stages) if stages else None)
-        for k, v in kept.items():
-            setattr(mla_gluon_e4m3, k, v)
-    else:
-        fn = mla_gluon._mla_gluon_swap if swap else mla_gluon_pph._mla_gluon_pph if halves \
-            else mla_gluon._mla_gluon_fwd
-        consts = {}
+    fn = mla_gluon_e4m3._mla_gluon_e4m3 if e4m3 else mla_gluon._mla_gluon_swap if swap \
+        else mla_gluon_pph._mla_gluon_pph if halves else mla_gluon._mla_gluon_fwd
     if (dtype == "fp8") != e4m3:
         raise SystemExit(f"{kernel} on {dtype}: the e4m3 kernel takes fp8 (an e4m3 cache) "
                          "only, the others bf16 / fp16")
@@ -58,13 +47,13 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
     const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=16 if swap else mla_gluon.BLOCK_M,
                  BLOCK_N=mla_gluon.BLOCK_N, STAGES=mla_gluon.STAGES, CAUSAL=mask == "causal",
                  HAS_DRAFT=mask == "draft")
+    if e4m3:  # constexprs as plan passes them (one left out would compile as an i32 argument)
+        const["STAGES"] = int(stages) if stages else mla_gluon_e4m3.STAGES
     options = {"num_warps": 4 if swap or halves else 8}
     if halves:
         options["maxnreg"] = mla_gluon_pph.PPH_MAXNREG
-    for k in ("num_warps", "maxnreg"):
-        if k in consts:
-            options[k] = consts.pop(k)
-    const.update(consts)
+    if e4m3:
+        options["maxnreg"] = mla_gluon_e4m3.MAXNREG
     q = "*fp16" if dtype == "fp16" else "*bf16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
@@ -106,7 +95,8 @@ def report(kernel) -> dict:
     out.update(resources(res))
     out["loop_spills"] = loop_spills(sass)
     ptx = kernel.asm["ptx"]
-    kinds = r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait)"
+    kinds = (r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait"
+             r"|ldmatrix\.\S+|stmatrix\.\S+|setmaxnreg\.\S+)")
     out["ptx"] = dict(collections.Counter(re.findall(kinds, ptx)))
     return out
 

@@ -91,28 +91,26 @@ def test_transposed_kernel_compiles_for_sm90_within_shared_memory_without_spills
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "m64n16k16" not in k], use
 
 
-@pytest.mark.parametrize("mask,stages,kernel", [("causal", None, "e4m3"), ("draft", "2", "e4m3"),
-                                                ("full", None, "e4m3_one"),
-                                                ("causal", None, "e4m3_stacked"),
-                                                ("draft", "3", "e4m3_stacked"),
-                                                ("full", "2", "e4m3_stacked")])
-def test_e4m3_kernel_compiles_for_sm90_without_spills(mask, stages, kernel):
-    """Both products on e4m3, each form (the ping-pong default, one MMA warpgroup beside the
-    transposing one, one warpgroup doing both): the ring, the transposed latent, hi + lo
-    queries and P fit in shared memory; the longest loop (the transposer's, or the one
-    warpgroup's) never touches local memory, and the one-warpgroup kernel has no stack at
-    all (the warp-specialized ones keep a few values there across their partitions); every
-    MMA is e4m3, hi and lo side by side as N = 32: m64n32k32, 18 for the scores (64 keys x
-    576 columns) and 16 for the values (8 x m64 over 64 keys, two k-steps), per MMA
-    warpgroup."""
-    use = compiled_for_sm90(mask, "fp8", kernel, stages)
+@pytest.mark.parametrize("mask,stages", [("causal", None), ("draft", "2"), ("full", None)])
+def test_e4m3_kernel_compiles_for_sm90_without_spills(mask, stages):
+    """Both products on e4m3, warp-specialized: the ring (``STAGES`` slots, 3; also 2), two
+    V^T buffer pairs, hi + lo queries and two P buffers fit in shared memory; the register
+    split holds (each MMA warpgroup 216, the transposer the rest); the transposer's loop
+    (the longest) never touches local memory; the transpose runs on ``ldmatrix.trans`` /
+    ``stmatrix`` (the 8 x 8 matrix instructions, not byte stores); every MMA is e4m3, hi
+    and lo side by side as N = 32: m64n32k32, 18 for the scores (64 keys x 576 columns) and
+    16 for the values (8 x m64 over 64 keys, two k-steps) in each of the two MMA
+    warpgroups."""
+    use = compiled_for_sm90(mask, "fp8", "e4m3", stages)
     assert 0 < use["shared"] <= SHARED_LIMIT, use
     assert use["loop_spills"] == 0 and use["LOCAL"] == 0, use
-    assert use["STACK"] == 0 or kernel != "e4m3_stacked", use
     wgmma = {k.split(".")[4]: n for k, n in use["ptx"].items() if k.startswith("wgmma")}
-    assert wgmma == {"m64n32k32": 68 if kernel == "e4m3" else 34}, use
+    assert wgmma == {"m64n32k32": 68}, use
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "e4m3.e4m3" not in k], use
     assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
+    assert use["ptx"].get("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 16, use
+    assert use["ptx"].get("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 16, use
+    assert use["ptx"].get("setmaxnreg.inc.sync.aligned.u32", 0) > 0, use
 
 
 def test_compile_script_refuses_an_fp8_cache_for_the_bf16_kernels():
@@ -304,20 +302,14 @@ def test_gluon_fp8_kept_plan_matches_float64_on_every_call(variant):
                                [q_len] * 3, Mask(), sm)
 
 
-@pytest.mark.parametrize("stages,pairs,ws", [(2, False, False), (2, True, False),
-                                             (3, True, False), (3, False, False),
-                                             (4, False, False), (4, True, False),
-                                             (2, True, True), (2, False, True)])
-def test_e4m3_other_forms_match_float64(monkeypatch, stages, pairs, ws):
-    """The e4m3 kernel's other compiled forms: ring slots, the compiler's own transpose,
-    one warpgroup or two (``WS``)."""
+@pytest.mark.parametrize("stages", [2])
+def test_e4m3_other_forms_match_float64(monkeypatch, stages):
+    """The e4m3 kernel's other compiled form: 2 ring slots."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_e4m3
 
     _needs_hopper()
     monkeypatch.setattr(mla_gluon_e4m3, "STAGES", stages)
-    monkeypatch.setattr(mla_gluon_e4m3, "PAIRS", pairs)
-    monkeypatch.setattr(mla_gluon_e4m3, "WS", ws)
     monkeypatch.setattr(triton_mla, "_GLUON_PLANS", {})
     test_gluon_fp8_matches_float64_over_the_dequantized_latent(
         16, [1] * 4, [4097, 63, 640, 2000], Mask(), 128, 3, torch.bfloat16, "e4m3")
@@ -381,10 +373,9 @@ def test_gluon_true_refused_off_hopper_and_default_off_under_the_interpreter(mon
 
 
 def test_fp8_variants_pick_their_kernel_and_are_refused_elsewhere(monkeypatch):
-    """``plan`` launches the e4m3 kernel of the module's switches (the ping-pong, one-MMA-
-    warpgroup or one-warpgroup form, 4 warps, the form's ring depth, the module's transpose,
-    the latent scale as its last scalar, two workspace splits per split for the ping-pong
-    form) for an e4m3 cache of <= 16 rows,
+    """``plan`` launches the e4m3 kernel (4 warps a partition, the module's ring depth and
+    register cap, the latent scale as its last scalar, two workspace splits per grid split)
+    for an e4m3 cache of <= 16 rows,
     named or not, and the bf16 kernel with scale 1 for a bf16 cache; the deleted "widen"
     name, an fp8 name on a bf16 cache, and any Gluon name off Hopper / under the
     interpreter, are refused with the reason."""
@@ -407,21 +398,13 @@ def test_fp8_variants_pick_their_kernel_and_are_refused_elsewhere(monkeypatch):
 
     assert gluon_mod.FP8_VARIANTS == ("e4m3",)
     monkeypatch.setattr(mla_gluon_e4m3, "STAGES", 3)
-    forms = [({"WS": True, "FORM": "pp", "PP_VT": 2}, mla_gluon_e4m3._mla_gluon_e4m3_pp, 3, 2),
-             ({"WS": True, "FORM": "pp", "PP_VT": 4}, mla_gluon_e4m3._mla_gluon_e4m3_pp, 2, 2),
-             ({"WS": True, "FORM": "one"}, mla_gluon_e4m3._mla_gluon_e4m3_ws, 3, 1),
-             ({"WS": False}, mla_gluon_e4m3._mla_gluon_e4m3_stacked, 3, 1)]
-    for switches, want, stages, per_split in forms:
-        for k, v in switches.items():
-            monkeypatch.setattr(mla_gluon_e4m3, k, v)
-        for name in ("e4m3", None):
-            made = gluon_mod.plan(ql, qr, cache, qsl, lens, table, out, scale=0.1, mask=CAUSAL,
-                                  tiles=1, splits=2, block_m=16, variant=name,
-                                  latent_scale=0.25)
-            fn, consts, scalars = made.kernel.kernel, made.kernel.consts, made.kernel.scalars
-            assert fn is want and consts["num_warps"] == 4, switches
-            assert consts["STAGES"] == stages and consts["PAIRS"] is mla_gluon_e4m3.PAIRS
-            assert scalars[-1] == 0.25 and made.ws_shape[2] == 2 * per_split, switches
+    for name in ("e4m3", None):
+        made = gluon_mod.plan(ql, qr, cache, qsl, lens, table, out, scale=0.1, mask=CAUSAL,
+                              tiles=1, splits=2, block_m=16, variant=name, latent_scale=0.25)
+        fn, consts, scalars = made.kernel.kernel, made.kernel.consts, made.kernel.scalars
+        assert fn is mla_gluon_e4m3._mla_gluon_e4m3 and consts["num_warps"] == 4
+        assert consts["STAGES"] == 3 and consts["maxnreg"] == mla_gluon_e4m3.MAXNREG
+        assert scalars[-1] == 0.25 and made.ws_shape[2] == 2 * 2
     fn, consts, scalars = kernel(None, cache.bfloat16())
     assert fn is gluon_mod._mla_gluon_swap and consts["STAGES"] == gluon_mod.STAGES
     assert scalars[-1] == 1.0 and "PAIRS" not in consts

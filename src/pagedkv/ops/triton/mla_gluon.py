@@ -426,9 +426,9 @@ def tile_rows(rows_per_request: int) -> int:
 ROWS_VARIANTS = ("serial", "pingpong_halves")
 ROWS_DEFAULT = "pingpong_halves"
 # the <= 16-row kernel of a per-tensor e4m3 cache, by name: "e4m3" is
-# ``mla_gluon_e4m3._mla_gluon_e4m3_stacked`` (both products on e4m3 MMAs), the only one since
-# the widening kernel (bf16 MMAs on tiles widened in shared memory, 2.1x its time on the
-# H200, docs/kernels.md) was deleted
+# ``mla_gluon_e4m3._mla_gluon_e4m3`` (both products on e4m3 MMAs, warp-specialized), the
+# only one since the widening kernel (bf16 MMAs on tiles widened in shared memory, 2.1x its
+# time on the H200, docs/kernels.md) was deleted
 FP8_VARIANTS = ("e4m3",)
 
 
@@ -473,9 +473,9 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     if e4m3:
         from pagedkv.ops.triton import mla_gluon_e4m3
 
-        fn, form_consts = mla_gluon_e4m3.form()
-        consts.update(form_consts)
-        ws_splits = splits * mla_gluon_e4m3.workspace_splits(fn)
+        fn = mla_gluon_e4m3._mla_gluon_e4m3
+        consts.update(num_warps=4, maxnreg=mla_gluon_e4m3.MAXNREG, STAGES=mla_gluon_e4m3.STAGES)
+        ws_splits = splits * mla_gluon_e4m3.SPLITS_PER_PROGRAM
         scalars = (float(latent_scale),)
     elif swap:
         fn, consts["num_warps"] = _mla_gluon_swap, 4

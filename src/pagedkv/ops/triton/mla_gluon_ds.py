@@ -1,6 +1,6 @@
-"""Absorbed MLA decode over an fp8_ds_mla cache in Gluon (Hopper sm_90): the per-tensor e4m3
-kernel (``mla_gluon_e4m3._mla_gluon_e4m3_stacked``) extended to per-128-column fp32 scales
-and a bf16 rope; the default for the fp8_ds_mla calls it takes (``supported``) on Hopper.
+"""Absorbed MLA decode over an fp8_ds_mla cache in Gluon (Hopper sm_90): the one-warpgroup
+per-tensor e4m3 kernel (``mla_gluon_e4m3``'s before it was warp-specialized) extended to
+per-128-column fp32 scales and a bf16 rope; the default for the fp8_ds_mla calls it takes (``supported``) on Hopper.
 
 Why: fp8_ds_mla (DeepSeek / Kimi) was served by the Triton pointer kernel, ~0.54x the bf16
 kernel's throughput on the H200 (docs/kernels.md); the per-tensor e4m3 Gluon kernel showed
