@@ -24,11 +24,13 @@ its own running state, written as two workspace splits that the combine merges l
 others. A tile's ring slot is refilled (TMA, ``STAGES`` slots) by its MMA warpgroup once
 both readers are done with it.
 
-H200 (2026-12-04 19:36-19:37 UTC, torch 2.11+cu130, triton 3.6.0, B64 ctx8K h16 q1 page 64,
-CUDA-graph replays, ``.dev`` probe of the day; docs/kernels.md "MLA e4m3, warp-specialized"
-has the commands): 112.4-113.7 us against the bf16 Gluon kernel's 148.5 (1.31-1.32x) and
-the one-warpgroup e4m3 kernel's 140.9 (deleted); one MMA warpgroup beside the transposer
-125.4 us, key-pair stores instead of the matrix instructions 115.3-117.4 (both deleted).
+H200 (2026-12-04 19:52 UTC, torch 2.11+cu130, triton 3.6.0; ``PAGEDKV_BENCH_MLA_FAMILIES=
+mla_q1,mla_fp8 PAGEDKV_BENCH_GLUON_VARIANTS= PYTHONPATH=src python3 benchmarks/attention.py
+--only mla --quick --graphs --no-mla-sweep --gluon``), B64 ctx8K h16 q1 page 64, CUDA-graph
+replays: 118.4 us against the bf16 Gluon kernel's 159.4 (1.34x its throughput). Forms that
+lost and were deleted (probe timings of the same day, docs/kernels.md "MLA e4m3,
+warp-specialized"): one warpgroup doing both (1.05-1.07x bf16), one MMA warpgroup beside
+the transposer (1.18-1.25x), key-pair stores instead of the matrix instructions (1.26-1.29x).
 
 Scope is ``mla_gluon``'s fp8 scope (per-tensor e4m3 cache with a float scale, bf16/fp16
 queries, <= 16 rows per request, blocks of multiples of 64, causal / non-causal /
