@@ -287,8 +287,31 @@ def test_append_each_equals_append_blocks_and_refuses_bad_input():
     with pytest.raises(MetadataError, match="block id 100"):
         many.append_each(["a", "b"], {1: [11, 12], 0: [13, 100]})
     assert many.blocks("a", 1) == (3, 10)  # a refused call changes no group
+    for bad in ([13, -1], np.array([13, -1])):  # (a list checked in Python, an array not)
+        with pytest.raises(MetadataError, match="request 'b' was given block id -1"):
+            many.append_each(["a", "b"], {0: bad})
     with pytest.raises(InvalidArgumentError, match="'zz' is not in the builder"):
         many.append_each(["zz"], {0: [11]})
+
+
+@pytest.mark.parametrize("n", [3, 70])  # a list up to _SMALL_APPEND ids checked in Python
+def test_append_each_from_a_list_of_any_length(n):
+    """Short lists of block ids are checked and written without numpy's conversion, long
+    ones with it: the same rows, and the same refusal naming the first bad entry."""
+    gs = [make_group(0, 2, num_blocks=1000)]
+    one, many = MetadataBuilder(gs, rows=1, width=1), MetadataBuilder(gs, rows=1, width=1)
+    rids = [f"r{i}" for i in range(n)]
+    for b in (one, many):
+        for i, rid in enumerate(rids):
+            b.add(rid, {0: [i]})
+    bad = [100 + i for i in range(n)]
+    bad[n // 2], bad[-1] = 1000, -3
+    with pytest.raises(MetadataError, match=f"request 'r{n // 2}' was given block id 1000"):
+        many.append_each(rids, {0: bad})
+    many.append_each(rids[::-1], {0: [100 + i for i in range(n)][::-1]})
+    for i, rid in enumerate(rids):
+        one.append_blocks(rid, {0: [100 + i]})
+        assert many.blocks(rid, 0) == one.blocks(rid, 0) == (i, 100 + i)
 
 
 def test_refilled_buffers_rewrite_what_changes_with_rows_tokens_or_kind():

@@ -7,6 +7,8 @@ import pytest
 
 from pagedkv.blocks import KVCacheManager
 from pagedkv.engine import Request, SamplingParams, Scheduler
+from pagedkv.engine.scheduler import Chunks
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.models import layers_from_config
 from pagedkv.plan import PlanOptions, make_plan
 
@@ -32,9 +34,19 @@ def drive(s, reqs, abort_at=None, victim=None, token=7):
         if abort_at is not None and len(plans) == abort_at:
             s.abort(victim)
         plan = s.schedule()
+        assert_columns(plan.chunks)
         plans.append(plan)
         s.update(plan, {c.request.rid: [token] for c in plan.chunks if c.samples})
     return plans
+
+
+def assert_columns(chunks):
+    """The plan's ids and counts (``Chunks``, what the metadata build reads) are its
+    chunks'."""
+    assert type(chunks) is Chunks
+    assert chunks.rids == tuple(c.request.rid for c in chunks)
+    assert chunks.computed == tuple(c.num_computed for c in chunks)
+    assert chunks.new == tuple(c.num_new_tokens for c in chunks)
 
 
 def requests(n=3, prompt=13, new=5):
@@ -81,3 +93,17 @@ def test_abort_at_any_step(step):
     assert reqs[1].finish_reason == "abort" and len(reqs[1].output) < 6
     assert [len(r.output) for r in (reqs[0], reqs[2])] == [6, 6]
     assert sum(s.mgr.blocks_used()) == 0 and not s.mgr.requests
+
+
+def test_chunks_columns_cover_decode_runs_prefills_and_preemptions():
+    """Every plan of a run with chunked prefills, batched decodes and preemptions carries
+    its chunks' ids and counts (``drive`` checks each plan); ``Chunks`` refuses columns
+    of another length."""
+    s = scheduler(budget_tokens=28)
+    plans = drive(s, requests(n=3, prompt=9, new=8))
+    assert any(p.preempted for p in plans)
+    assert any(len(p.chunks) > 1 and all(c.num_new_tokens == 1 for c in p.chunks)
+               for p in plans)  # a batched decode run
+    assert any(c.num_new_tokens > 1 for p in plans for c in p.chunks)  # prefill chunks
+    with pytest.raises(InvalidArgumentError, match="2 chunks with 1 ids"):
+        Chunks(plans[0].chunks[:1] * 2, [0], [0, 0], [1, 1])

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from engine_check import assert_built_as_stateless, budget_for, options  # noqa: E402
 
 from pagedkv.engine import Engine, SamplingParams  # noqa: E402
-from pagedkv.engine.scheduler import Chunk  # noqa: E402
+from pagedkv.engine.scheduler import Chunk, Chunks  # noqa: E402
 from pagedkv.engine.tiny import tiny_model  # noqa: E402
 
 
@@ -134,15 +134,18 @@ def test_random_steps_equal_build_metadata(models, scenario, check, release):
 def by_hand(hf, **kw):
     """(manager, sync, step, prompt) over an engine's manager and runner, the scheduler
     bypassed; ``step(*(rid, computed, new, drafts, lookahead))`` builds a step (the
-    checker off: the comparison with build_metadata is what must see a stale row)."""
+    checker off: the comparison with build_metadata is what must see a stale row);
+    ``columns=True``: the chunks as a scheduler's ``Chunks``."""
     eng = Engine(hf, options(debug_nan=False, max_batched_tokens=32, **kw))
     mgr, runner = eng.manager, eng.runner
     sync = runner.sync
     sync.check = False
     rng = random.Random(5)
 
-    def step(*rows):
+    def step(*rows, columns=False):
         chunks = [Chunk(SimpleNamespace(rid=r), c, n, True, look) for r, c, n, _, look in rows]
+        if columns:  # as the scheduler hands them over: with their ids and counts
+            chunks = Chunks(chunks, *zip(*[(r, c, n) for r, c, n, _, _ in rows]))
         extra = [d for _, _, _, d, _ in rows]
         assert_as_stateless(runner, chunks, extra, sync.build(chunks, extra))
 
@@ -295,3 +298,28 @@ def test_drafts_past_a_lookahead_told_too_small_are_read_anyway(models):
     a = decode(mgr, "a", 3)  # positions 7..10: a block from 8
     step(("a", a[1], 1, 3, 3))
     assert sync.tracked == 1
+
+
+def test_checked_mode_refuses_ids_or_counts_that_are_not_the_chunks(models):
+    """A scheduler's ``Chunks`` hands the build its ids and counts, which it then reads
+    instead of the chunks; checked, a step whose columns differ from its chunks is refused
+    before anything changes; the same step with matching columns builds as stateless."""
+    from pagedkv.errors import MetadataError
+
+    mgr, sync, step, prompt = by_hand(models["llama-3-8b"])
+    prefill_two(mgr, step, prompt, 7)
+    step(decode(mgr, "a"), decode(mgr, "b"), columns=True)
+    for rid in "ab":
+        mgr.commit(rid, 1, [2])
+    rows = [decode(mgr, "a"), decode(mgr, "b")]
+    chunks = [Chunk(SimpleNamespace(rid=r), c, n, True) for r, c, n, _, _ in rows]
+    sync.check = True
+    computed = [c for _, c, _, _, _ in rows]
+    for bad in (Chunks(chunks, "ab", [computed[0], computed[1] + 1], [1, 1]),
+                Chunks(chunks, "ba", computed, [1, 1]),
+                Chunks(chunks, "ab", computed, [1, 2])):
+        with pytest.raises(MetadataError, match="are not its chunks'"):
+            sync.build(bad, [0, 0])
+    tracked = sync.tracked
+    step(*rows, columns=True)
+    assert sync.tracked == tracked + 1  # the refused calls changed nothing: still steady

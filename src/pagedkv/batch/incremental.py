@@ -31,6 +31,10 @@ from pagedkv.errors import InvalidArgumentError, MetadataError
 from pagedkv.plan.types import Group
 
 _INT32_MAX = 2**31 - 1
+# append_each checks a list of up to this many block ids in Python and writes it as it is (a
+# decode step opens a block in ~1 of block_size rows): check and write of 16 ids 2.7 us
+# against numpy's 4.6, about even at 64, numpy ahead at 128 (this project's CPU, timeit)
+_SMALL_APPEND = 64
 # ufunc reductions called directly: the ndarray methods add a Python-level wrapper per call
 _sum, _min, _max, _any = np.add.reduce, np.minimum.reduce, np.maximum.reduce, np.logical_or.reduce
 
@@ -210,6 +214,21 @@ class MetadataBuilder:
         checked = []
         for gid, ids in block_ids.items():
             table = self._tables[gid]
+            if type(ids) is list and len(ids) <= _SMALL_APPEND:
+                # a decode step's few openings: checked in Python, written from the list
+                if len(ids) != rows.shape[0]:
+                    raise InvalidArgumentError(
+                        f"append_each: group {gid} has {len(ids)} block ids for "
+                        f"{rows.shape[0]} requests"
+                    )
+                if ids and (max(ids) >= table.limit or min(ids) < 0):
+                    i = next(i for i, x in enumerate(ids) if not 0 <= x < table.limit)
+                    raise MetadataError(
+                        f"group {gid}: request {req_ids[i]!r} was given block id {int(ids[i])}, "
+                        f"outside the group's {table.limit} blocks"
+                    )
+                checked.append((table, ids))
+                continue
             arr = np.asarray(ids, dtype=np.int64).reshape(-1)
             if arr.shape[0] != rows.shape[0]:
                 raise InvalidArgumentError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from pagedkv.blocks import KVCacheManager, lookahead_tokens
 from pagedkv.engine.request import FINISHED, RUNNING, WAITING, Request
@@ -33,6 +34,24 @@ class Chunk:
     num_new_tokens: int
     samples: bool
     num_lookahead: int = 0
+
+
+class Chunks(tuple):
+    """A step's chunks (a tuple of :class:`Chunk`), with what the metadata build reads of
+    every chunk, kept as the scheduler makes them: ``rids`` (each chunk's
+    ``request.rid``), ``computed`` and ``new`` (its ``num_computed`` / ``num_new_tokens``),
+    tuples in chunk order. The build then makes no pass over the chunks of its own (three
+    at ~12 us each at 256 chunks on this project's CPU); in checked mode it compares them."""
+
+    def __new__(cls, chunks: Iterable[Chunk], rids: Sequence[object], computed: Sequence[int],
+                new: Sequence[int]) -> Chunks:
+        self = super().__new__(cls, chunks)
+        if not len(self) == len(rids) == len(computed) == len(new):
+            raise InvalidArgumentError(
+                f"{len(self)} chunks with {len(rids)} ids, {len(computed)} computed and "
+                f"{len(new)} new counts")
+        self.rids, self.computed, self.new = tuple(rids), tuple(computed), tuple(new)
+        return self
 
 
 @dataclass(frozen=True)
@@ -104,6 +123,9 @@ class Scheduler:
         mgr = self.mgr
         budget = mgr.max_batched_tokens
         chunks: list[Chunk] = []
+        rids: list[object] = []  # the Chunks' columns, made alongside
+        done_at: list[int] = []
+        new: list[int] = []
         preempted: list[Request] = []
         idx = 0
         running = self.running
@@ -122,9 +144,14 @@ class Scheduler:
                     j += 1
                 if j > idx:
                     run = running[idx:j]
-                    k = mgr.allocate_batch([r.rid for r in run])
-                    for r in run[:k]:
-                        chunks.append(Chunk(r, states[r.rid].num_computed, 1, True))
+                    ids = [r.rid for r in run]
+                    k = mgr.allocate_batch(ids)
+                    del ids[k:]
+                    at = [states[rid].num_computed for rid in ids]
+                    chunks += map(Chunk, run[:k], at, repeat(1, k), repeat(True, k))
+                    rids += ids
+                    done_at += at
+                    new += repeat(1, k)
                     budget -= k
                     idx += k
                     if k == len(run):
@@ -146,6 +173,9 @@ class Scheduler:
                     break
             else:
                 chunks.append(Chunk(req, done, n, done + n == known, look))
+                rids.append(rid)
+                done_at.append(done)
+                new.append(n)
                 budget -= n + look
                 idx += 1
                 continue
@@ -167,8 +197,11 @@ class Scheduler:
             req.status = RUNNING
             self.running.append(req)
             chunks.append(Chunk(req, hit, n, hit + n == known))
+            rids.append(rid)
+            done_at.append(hit)
+            new.append(n)
             budget -= n
-        return StepPlan(tuple(chunks), tuple(preempted))
+        return StepPlan(Chunks(chunks, rids, done_at, new), tuple(preempted))
 
     def update(self, plan: StepPlan, sampled: Mapping[object, Sequence[int]]) -> list[Request]:
         """Commit the step: ``sampled[rid]`` are the tokens a sampling request produced

@@ -30,7 +30,9 @@ no shorter and none past ``ceil((computed + 1) / block_size)``) replace the per-
 checks; anything else there sends the step through them. Window starts are read only for
 groups with a null block (a window's): no other group drops blocks, so its ``first_live``
 stays 0. The counts go to the builder as int64 arrays (which it takes without a copy),
-and no draft counts when there are none. Instead of ``build_metadata``'s copy of every
+and no draft counts when there are none. The step's ids and counts come from the
+scheduler's :class:`~pagedkv.engine.scheduler.Chunks` (made with the chunks; compared
+with them in checked mode) instead of passes over the chunks, where the chunks are one. Instead of ``build_metadata``'s copy of every
 block list, a step costs a few operations per request.
 
 Over the engine's own :class:`KVCacheManager` a steady step costs O(rows that changed)
@@ -66,7 +68,7 @@ from pagedkv.blocks import KVCacheManager
 from pagedkv.blocks.cross import CrossManager
 from pagedkv.blocks.full import FullManager
 from pagedkv.blocks.window import WindowManager
-from pagedkv.engine.scheduler import Chunk
+from pagedkv.engine.scheduler import Chunk, Chunks
 from pagedkv.errors import InvalidArgumentError, MetadataError
 from pagedkv.plan.types import Group
 
@@ -166,8 +168,17 @@ class TableSync:
     def build(self, chunks: Sequence[Chunk], extra: Sequence[int]) -> StepMetadata:
         """The step's metadata (valid until the next :meth:`build`); ``extra[i]``: draft
         rows riding on chunk i."""
-        ids = tuple([c.request.rid for c in chunks])  # (a comprehension: faster than map
-        # with an attrgetter here)
+        if type(chunks) is Chunks:  # the scheduler's: ids and counts made with the chunks
+            ids, done, todo = chunks.rids, chunks.computed, chunks.new
+            if self.check and (ids != tuple([c.request.rid for c in chunks])
+                               or done != tuple([c.num_computed for c in chunks])
+                               or todo != tuple([c.num_new_tokens for c in chunks])):
+                raise MetadataError("TableSync: the step's ids or counts (Chunks.rids, "
+                                    ".computed, .new) are not its chunks'")
+        else:  # (comprehensions: faster than map with an attrgetter here)
+            ids = tuple([c.request.rid for c in chunks])
+            done = [c.num_computed for c in chunks]
+            todo = [c.num_new_tokens for c in chunks]
         n = len(ids)
         if len(extra) != n:
             raise InvalidArgumentError(f"{len(extra)} draft counts for {n} chunks")
@@ -178,8 +189,9 @@ class TableSync:
                 self.drop(rid)
             self._last_ids = ids
         # the counts as int64 arrays, which the builder takes without a copy
-        computed = np.fromiter([c.num_computed for c in chunks], np.int64, n)
-        new = np.fromiter([c.num_new_tokens for c in chunks], np.int64, n)
+        computed = np.fromiter(done, np.int64, n)
+        # a decode step's new counts are all one: made without converting each
+        new = np.ones(n, np.int64) if todo.count(1) == n else np.fromiter(todo, np.int64, n)
         ends = computed + new if rows is not None else None  # what allocation was for
         drafts = None  # none: the builder's own zeros, no array to check
         if any(extra):
