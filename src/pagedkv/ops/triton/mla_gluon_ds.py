@@ -1,6 +1,16 @@
-"""Absorbed MLA decode over an fp8_ds_mla cache in Gluon (Hopper sm_90): the one-warpgroup
-per-tensor e4m3 kernel (``mla_gluon_e4m3``'s before it was warp-specialized) extended to
-per-128-column fp32 scales and a bf16 rope; the default for the fp8_ds_mla calls it takes (``supported``) on Hopper.
+"""Absorbed MLA decode over an fp8_ds_mla cache in Gluon (Hopper sm_90): the per-tensor e4m3
+kernel extended to per-128-column fp32 scales and a bf16 rope; the default for the
+fp8_ds_mla calls it takes (``supported``) on Hopper.
+
+Two forms. ``_mla_gluon_ds_ws`` (``WS``, the default since 2026-12-04 ~20:35 UTC) is
+warp-specialized as ``mla_gluon_e4m3._mla_gluon_e4m3``: that module's transposing warpgroup,
+two MMA warpgroups on alternate tiles (the value MMAs one group at a time, 232 registers
+each), two ring slots, two workspace splits a program. H200 (2026-12-04 20:30-20:31 UTC,
+B64 ctx8K h16 q1 page 64, CUDA-graph replays, a throwaway probe timing the ``WS`` switch
+against the bf16 Gluon kernel in one process; docs/kernels.md): 150.1 / 150.2 us against
+194.5 / 195.3 for ``_mla_gluon_ds`` and 145.7 for bf16 (0.97x its throughput, from 0.75x).
+``_mla_gluon_ds`` is the one-warpgroup kernel (``mla_gluon_e4m3``'s design before it was
+warp-specialized) the rest of this docstring describes.
 
 Why: fp8_ds_mla (DeepSeek / Kimi) was served by the Triton pointer kernel, ~0.54x the bf16
 kernel's throughput on the H200 (docs/kernels.md); the per-tensor e4m3 Gluon kernel showed
@@ -68,7 +78,12 @@ from pagedkv.ops.triton.mla_gluon import (
     _split_tiles,
     _ws_rows,
 )
-from pagedkv.ops.triton.mla_gluon_e4m3 import _transpose_latent, _transpose_pairs
+from pagedkv.ops.triton.mla_gluon_e4m3 import (
+    MAXNREG,
+    _transpose_latent,
+    _transpose_pairs,
+    _transposer,
+)
 
 # ring slots: a 64-key tile is 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); with the
 # queries (18 KB), the transposed latent (32 KB) and P (8 KB) up to 4 fit in 227 KB.
@@ -77,6 +92,14 @@ from pagedkv.ops.triton.mla_gluon_e4m3 import _transpose_latent, _transpose_pair
 STAGES = 3
 # the latent transposed as key pairs (``_transpose_pairs``); False: ``_transpose_latent``
 PAIRS = True
+# the warp-specialized kernel (``_mla_gluon_ds_ws``: ``mla_gluon_e4m3``'s transposing
+# warpgroup and two MMA warpgroups on alternate tiles), with ``WS_STAGES`` ring slots (3 do
+# not fit beside two V^T buffer pairs); False: ``_mla_gluon_ds``, one warpgroup
+WS = True
+WS_STAGES = 2
+# each MMA warpgroup's registers (``setmaxnreg``; the transposing warpgroup gets the rest of
+# ``mla_gluon_e4m3.MAXNREG`` x 12 warps)
+WS_MMA_REGS = gl.constexpr(232)
 ENTRY = ds_mla_entry_bytes(RANK, ROPE)  # 656 bytes
 GROUPS = RANK // DS_MLA_GROUP  # 4 scales per key
 _ROPE_COL = gl.constexpr((RANK + 4 * GROUPS) // 2)  # bf16 column of the rope (byte 528)
@@ -375,6 +398,246 @@ def _mla_gluon_ds(
     gl.store(out + 3 * GW, acc3 * (1.0 / 256.0), mask=omask)
 
 
+@gluon.jit
+def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            HAS_DRAFT: gl.constexpr):
+    """MMA warpgroup G of ``_mla_gluon_ds_ws``: the split's tiles u = G mod 2, each as a
+    tile of ``_mla_gluon_ds`` (group scores, softmax, P per group; V^T pair G ready: the
+    slot's refill, then the groups' value MMAs one at a time), written as workspace split
+    2 split + G."""
+    (q2_smem, qr_smem, kv_smem, kr_smem, ks_smem, vt_smem, p2_smem, rs_smem, bars, vt_ready,
+     vt_free, kd, rd, sd, table_row, s_lo, n_tiles, block_size, num_blocks, flag_ptr, seq_len,
+     draft, ws_o, ws_m, ws_l, tile, q_start, q_len, heads, num_splits, split, qk_scale) = args
+    GW: gl.constexpr = 128
+    N2: gl.constexpr = 2 * BLOCK_M
+    t2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, N2, 32])
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 32])
+    tr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, BLOCK_M, 16])
+    per_row: gl.constexpr = gl.SliceLayout(0, t_l)
+    per_key: gl.constexpr = gl.SliceLayout(1, t_l)
+    sc_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
+    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
+    hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    row_scale = rs_smem.index(0).load(per_row)
+    s0 = gl.zeros([BLOCK_N, N2], gl.float32, layout=t2_l)
+    r0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tr_l)
+    o0 = gl.zeros([GW, N2], gl.float32, layout=t2_l)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
+    acc0 = _half_sum(o0)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    o_l: gl.constexpr = acc0.type.layout
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
+    kn = gl.arange(0, BLOCK_N, layout=per_key)
+    kc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sc_l))
+    sel = gl.arange(0, 4, layout=gl.SliceLayout(0, sc_l))
+    n_own = gl.maximum(n_tiles - G + 1, 0) // 2
+    n0 = s_lo + G * BLOCK_N
+    page = gl.load(table_row + n0 // block_size, mask=n_own > 0, other=0)
+    page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size,
+                        mask=G + STAGES < n_tiles, other=0)
+    for j in range(n_own):
+        u = G + 2 * j
+        stage = u % STAGES
+        n0 = s_lo + u * BLOCK_N
+        wi = j // (n_tiles + 1)  # always 0: keeps the MMA descriptors in the loop
+        refill = u + STAGES < n_tiles
+        page_a = gl.load(table_row + (n0 + 2 * BLOCK_N) // block_size, mask=u + 2 < n_tiles,
+                         other=0)
+        page_b = gl.load(table_row + (n0 + (STAGES + 2) * BLOCK_N) // block_size,
+                         mask=u + 2 + STAGES < n_tiles, other=0)
+        bad = _flag_bad(page, num_blocks, flag_ptr)
+        mbarrier.wait(bars.index(stage), (u // STAGES) & 1)
+        kv = kv_smem.index(stage)
+        q2 = q2_smem.index(wi)
+        a0 = warpgroup_mma(kv.slice(0, GW, dim=1), q2.slice(0, GW, dim=1).permute((1, 0)),
+                           s0, use_acc=False, is_async=True)
+        a1 = warpgroup_mma(kv.slice(GW, GW, dim=1), q2.slice(GW, GW, dim=1).permute((1, 0)),
+                           s0, use_acc=False, is_async=True)
+        a2 = warpgroup_mma(kv.slice(2 * GW, GW, dim=1),
+                           q2.slice(2 * GW, GW, dim=1).permute((1, 0)), s0, use_acc=False,
+                           is_async=True)
+        a3 = warpgroup_mma(kv.slice(3 * GW, GW, dim=1),
+                           q2.slice(3 * GW, GW, dim=1).permute((1, 0)), s0, use_acc=False,
+                           is_async=True)
+        r = warpgroup_mma(kr_smem.index(stage), qr_smem.index(wi).permute((1, 0)), r0,
+                          use_acc=False, is_async=True)
+        sc = ks_smem.index(stage).load(sc_l)
+        # selected, not multiplied: unwritten slots' scales may be NaN
+        sc = gl.where(((n0 + kc < seq_len) & (bad == 0))[:, None], sc, 0.0)
+        smax = gl.max(sc, 0)  # the tile's largest scale per group
+        fac = sc * gl.where(smax > 0, 1.0 / smax, 0.0)[None, :]
+        a0, a1, a2, a3, r = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3, r])
+        s = gl.convert_layout(_half_sum(a0), t_l) * _group(sc, sel, 0, per_key)[:, None]
+        s += gl.convert_layout(_half_sum(a1), t_l) * _group(sc, sel, 1, per_key)[:, None]
+        s += gl.convert_layout(_half_sum(a2), t_l) * _group(sc, sel, 2, per_key)[:, None]
+        s += gl.convert_layout(_half_sum(a3), t_l) * _group(sc, sel, 3, per_key)[:, None]
+        s = s * row_scale[None, :] + gl.convert_layout(r, t_l) * qk_scale
+        seen = ((n0 + kn)[:, None] < hi[None, :]) & (bad == 0)
+        s = gl.where(seen, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[None, :]) * 256.0  # x 256 as in mla_gluon_e4m3
+        alpha = gl.exp2(m_i - m_use)
+        m_i = m_new
+        l_acc = l_acc * alpha[None, :] + p
+        pt = p2_smem.index(4 * G + wi)
+        _store_p(p, _group(fac, sel, 0, per_key), pt, BLOCK_M)
+        _store_p(p, _group(fac, sel, 1, per_key), p2_smem.index(4 * G + 1 + wi), BLOCK_M)
+        _store_p(p, _group(fac, sel, 2, per_key), p2_smem.index(4 * G + 2 + wi), BLOCK_M)
+        _store_p(p, _group(fac, sel, 3, per_key), p2_smem.index(4 * G + 3 + wi), BLOCK_M)
+        fence_async_shared()
+        gl.thread_barrier()  # P stored, every warp's score MMAs and scale reads over
+        mbarrier.wait(vt_ready.index(G), j & 1)
+        _issue_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, page_next,
+                  n0 + STAGES * BLOCK_N, stage, block_size, num_blocks, refill)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))
+        va = vt_smem.index(2 * G + wi)  # latent rows [0, 256): groups 0 and 1
+        vb = vt_smem.index(2 * G + 1 + wi)
+        o = warpgroup_mma(va.slice(0, GW, dim=0), pt.permute((1, 0)), o0, use_acc=False,
+                          is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+        acc0 = acc0 * alpha_o[None, :] + _half_sum(o) * _pick(smax, sel, 0)
+        o = warpgroup_mma(va.slice(GW, GW, dim=0), p2_smem.index(4 * G + 1 + wi).permute((1, 0)),
+                          o0, use_acc=False, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+        acc1 = acc1 * alpha_o[None, :] + _half_sum(o) * _pick(smax, sel, 1)
+        o = warpgroup_mma(vb.slice(0, GW, dim=0), p2_smem.index(4 * G + 2 + wi).permute((1, 0)),
+                          o0, use_acc=False, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+        acc2 = acc2 * alpha_o[None, :] + _half_sum(o) * _pick(smax, sel, 2)
+        o = warpgroup_mma(vb.slice(GW, GW, dim=0), p2_smem.index(4 * G + 3 + wi).permute((1, 0)),
+                          o0, use_acc=False, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+        acc3 = acc3 * alpha_o[None, :] + _half_sum(o) * _pick(smax, sel, 3)
+        gl.thread_barrier()  # every warp's value MMAs over: V^T pair G and P are free
+        mbarrier.arrive(vt_free.index(G), count=1)
+        page = page_a
+        page_next = page_b
+    base = _ws_rows(m_r, q_start, heads, 2 * num_splits, 2 * split + G)
+    rmask = m_r // heads < q_len
+    gl.store(ws_m + base, m_i, mask=rmask)
+    gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
+    m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
+    out = ws_o + _ws_rows(m_o, q_start, heads, 2 * num_splits, 2 * split + G)[None, :] * R \
+        + gl.arange(0, GW, layout=gl.SliceLayout(1, o_l))[:, None]
+    omask = (m_o // heads < q_len)[None, :]
+    gl.store(out, acc0 * (1.0 / 256.0), mask=omask)
+    gl.store(out + GW, acc1 * (1.0 / 256.0), mask=omask)
+    gl.store(out + 2 * GW, acc2 * (1.0 / 256.0), mask=omask)
+    gl.store(out + 3 * GW, acc3 * (1.0 / 256.0), mask=omask)
+
+
+@gluon.jit
+def _ds_mma0(args, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
+    _ds_mma(args, 0, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT)
+
+
+@gluon.jit
+def _ds_mma1(args, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr):
+    _ds_mma(args, 1, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT)
+
+
+@gluon.jit
+def _mla_gluon_ds_ws(
+    ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd, sd,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
+    num_blocks, block_size, heads, scale, draft, tiles, num_splits,
+    R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
+):
+    """``_mla_gluon_ds`` warp-specialized as ``mla_gluon_e4m3._mla_gluon_e4m3``: the
+    kernel's own warpgroup transposes (that kernel's ``_transposer``), two MMA warpgroups
+    take alternate tiles; workspace splits 2 split and 2 split + 1."""
+    gl.static_assert(gl.num_warps() == 4)
+    gl.static_assert((R == 512) & (BLOCK_N == 64) & (STAGES == 2))
+    e4: gl.constexpr = gl.float8e4nv
+    N2: gl.constexpr = 2 * BLOCK_M
+    H: gl.constexpr = R // 2
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    r_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+
+    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
+    if tile * BLOCK_M >= q_len * heads:
+        return
+
+    q2_smem = gl.allocate_shared_memory(e4, [1, N2, R],
+                                        gl.NVMMASharedLayout.get_default_for([N2, R], e4))
+    qr_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, BLOCK_M, P],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, P], gl.bfloat16))
+    kv_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, R], kd.layout)
+    kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
+    ks_smem = gl.allocate_shared_memory(sd.dtype, [STAGES, BLOCK_N, 4], sd.layout)
+    vt_smem = gl.allocate_shared_memory(
+        e4, [4, H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], e4))
+    p2_smem = gl.allocate_shared_memory(
+        e4, [8, N2, BLOCK_N], gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4))
+    rs_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_l)
+    vt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(vt_ready.index(i), count=1)
+        mbarrier.init(vt_free.index(i), count=1)
+
+    # the queries: latent as e4m3 hi + lo (rows [0, 16) and [16, 32)), rope as bf16; each
+    # row's latent score scale for both MMA warpgroups
+    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    tq = (q_start + mq // heads).to(gl.int64)
+    qmask = (mq // heads < q_len)[:, None]
+    x = gl.load(ql_ptr + tq[:, None] * stride_qt + (mq % heads)[:, None] * stride_qh
+                + gl.arange(0, R, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0).to(gl.float32)
+    y = gl.load(qr_ptr + tq[:, None] * stride_rt + (mq % heads)[:, None] * stride_rh
+                + gl.arange(0, P, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0)
+    amax = gl.max(gl.abs(x), 1)
+    sq = gl.where(amax > 0, amax / 448.0, 1.0)
+    x = x / sq[:, None]
+    xh = x.to(e4)
+    q2_smem.index(0).slice(0, BLOCK_M, dim=0).store(xh)
+    q2_smem.index(0).slice(BLOCK_M, BLOCK_M, dim=0).store((x - xh.to(gl.float32)).to(e4))
+    qr_smem.index(0).store(y.to(gl.bfloat16))
+    qk_scale = scale * 1.4426950408889634
+    rs_smem.index(0).store(gl.convert_layout(sq, r_l) * qk_scale)
+    fence_async_shared()  # the queries' stores and the barriers' init, before async readers
+    gl.thread_barrier()
+
+    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=r_l)
+    hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
+    s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
+    table_row = table_ptr + b.to(gl.int64) * stride_tb
+    _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo, n_tiles, 0,
+                  block_size, num_blocks, BLOCK_N)
+    _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo, n_tiles, 1,
+                  block_size, num_blocks, BLOCK_N)
+    mma_args = (q2_smem, qr_smem, kv_smem, kr_smem, ks_smem, vt_smem, p2_smem, rs_smem, bars,
+                vt_ready, vt_free, kd, rd, sd, table_row, s_lo, n_tiles, block_size, num_blocks,
+                flag_ptr, seq_len, draft, ws_o, ws_m, ws_l, tile, q_start, q_len, heads,
+                num_splits, split, qk_scale)
+    t_args = (kv_smem, vt_smem, bars, vt_ready, vt_free, table_row, s_lo, n_tiles, block_size,
+              num_blocks, seq_len)
+    gl.warp_specialize(
+        [(_transposer, (t_args, R, BLOCK_N, STAGES)),
+         (_ds_mma0, (mma_args, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT)),
+         (_ds_mma1, (mma_args, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT))],
+        [4, 4], [WS_MMA_REGS, WS_MMA_REGS])
+
+
 def descriptors(cache: torch.Tensor):
     """(latent, rope, scales) Gluon tensor descriptors over an fp8_ds_mla cache's bytes seen
     as one row per slot: [64, 512] e4m3 (128-byte swizzle), [64, 64] bf16 (128-byte
@@ -434,8 +697,13 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     consts = dict(R=RANK, P=ROPE, BLOCK_M=SWAP_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, PAIRS=PAIRS,
                   num_warps=4)
-    kernel = Launch(_mla_gluon_ds, (seq_lens.shape[0] * tiles, splits), (
+    fn, ws_splits = _mla_gluon_ds, splits
+    if WS:
+        del consts["PAIRS"]
+        fn, ws_splits = _mla_gluon_ds_ws, 2 * splits
+        consts.update(STAGES=WS_STAGES, maxnreg=MAXNREG)
+    kernel = Launch(fn, (seq_lens.shape[0] * tiles, splits), (
         *descs, ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), table.stride(0),
         num_blocks, block_size, heads, scale, mask.draft_block or 0, tiles, splits), consts)
-    ws_shape = (rows, heads, splits, RANK)
+    ws_shape = (rows, heads, ws_splits, RANK)
     return Plan(kernel, combine_launch(ws_shape, out, query_start_loc, None), ws_shape, descs)
