@@ -172,17 +172,18 @@ def e4m3_form(stages: int | None):
     return kernel_switches(e4, triton_mla._GLUON_PLANS, STAGES=stages or e4.STAGES)
 
 
-# --gluon, MLA fp8_ds_mla: the Triton kernel (gluon=False) and the Gluon kernel (mla_gluon_ds,
-# the default on Hopper) at each ring depth of PAGEDKV_BENCH_DS (a comma list, default 3,4)
+# --gluon, MLA fp8_ds_mla: the Triton kernel (gluon=False) and the one-warpgroup Gluon kernel
+# (mla_gluon_ds.WS False; the default row is the warp-specialized one) at each ring depth of
+# PAGEDKV_BENCH_DS (a comma list, default 3,4)
 DS_STAGES = [int(x) for x in os.environ.get("PAGEDKV_BENCH_DS", "3,4").split(",") if x]
 
 
 def ds_form(stages: int):
-    """``mla_gluon_ds`` with ``stages`` ring slots for the block."""
+    """``mla_gluon_ds``'s one-warpgroup kernel with ``stages`` ring slots for the block."""
     from pagedkv.ops.triton import mla as triton_mla
     from pagedkv.ops.triton import mla_gluon_ds as ds
 
-    return kernel_switches(ds, triton_mla._GLUON_PLANS, STAGES=stages)
+    return kernel_switches(ds, triton_mla._GLUON_PLANS, STAGES=stages, WS=False)
 
 
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
@@ -607,7 +608,7 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
                 and graph:
             record_graphed(case, config_name({"gluon": False}), fn, nbytes, flops)
         for stages in DS_STAGES:
-            name = f"pagedkv_gluon_ds[stages={stages}]"
+            name = f"pagedkv_gluon_ds[one warpgroup,stages={stages}]"
             fn = lambda: run(gluon=True)  # noqa: E731
             with ds_form(stages):
                 if record(case, name, fn, nbytes, ref, flops) is not None and graph:
