@@ -6,8 +6,8 @@ Two forms. ``_mla_gluon_ds_ws`` (``WS``, the default since 2026-12-04 ~20:35 UTC
 warp-specialized as ``mla_gluon_e4m3._mla_gluon_e4m3``: that module's transposing warpgroup,
 two MMA warpgroups on alternate tiles (the value MMAs one group at a time, 232 registers
 each), two ring slots, two workspace splits a program. H200 (2026-12-04 20:30-20:31 UTC,
-B64 ctx8K h16 q1 page 64, CUDA-graph replays, a throwaway probe timing the ``WS`` switch
-against the bf16 Gluon kernel in one process; docs/kernels.md): 150.1 / 150.2 us against
+B64 ctx8K h16 q1 page 64, graph replays, ``WS`` against the bf16 kernel in one process,
+``benchmarks/mla_fp8_forms.py ds WS=1 WS=0``; docs/kernels.md): 150.1 / 150.2 us against
 194.5 / 195.3 for ``_mla_gluon_ds`` and 145.7 for bf16 (0.97x its throughput, from 0.75x).
 ``_mla_gluon_ds`` is the one-warpgroup kernel (``mla_gluon_e4m3``'s design before it was
 warp-specialized) the rest of this docstring describes.

@@ -27,10 +27,10 @@ both readers are done with it.
 H200 (2026-12-04 19:52 UTC, torch 2.11+cu130, triton 3.6.0; ``PAGEDKV_BENCH_MLA_FAMILIES=
 mla_q1,mla_fp8 PAGEDKV_BENCH_GLUON_VARIANTS= PYTHONPATH=src python3 benchmarks/attention.py
 --only mla --quick --graphs --no-mla-sweep --gluon``), B64 ctx8K h16 q1 page 64, CUDA-graph
-replays: 118.4 us against the bf16 Gluon kernel's 159.4 (1.34x its throughput). Forms that
-lost and were deleted (probe timings of the same day, docs/kernels.md "MLA e4m3,
-warp-specialized"): one warpgroup doing both (1.05-1.07x bf16), one MMA warpgroup beside
-the transposer (1.18-1.25x), key-pair stores instead of the matrix instructions (1.26-1.29x).
+replays: 118.4 us against the bf16 Gluon kernel's 159.4 (1.34x its throughput). Deleted
+forms, timed as ``benchmarks/mla_fp8_forms.py`` does (docs/kernels.md "MLA e4m3, warp-spec.."):
+one warpgroup doing both (1.05-1.07x bf16), one MMA warpgroup beside the transposer
+(1.18-1.25x), key-pair stores instead of the matrix instructions (1.26-1.29x).
 
 Scope is ``mla_gluon``'s fp8 scope (per-tensor e4m3 cache with a float scale, bf16/fp16
 queries, <= 16 rows per request, blocks of multiples of 64, causal / non-causal /
