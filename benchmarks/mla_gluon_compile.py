@@ -82,17 +82,19 @@ def compile_ds(mask: str = "causal", dtype: str = "bf16", stages: str | None = N
 
 
 def loop_spills(sass: str) -> int:
-    """Local-memory loads/stores (STL/LDL) inside the longest conditional backward branch's
-    range, i.e. the key loop (an unconditional one is a wait's retry path jumping back in):
-    a stack only written before the loop and read after it costs no per-tile traffic."""
+    """Local-memory loads/stores (STL/LDL) in the worst loop: the most inside any one
+    conditional backward branch's range (a loop's own edge; an unconditional one is a
+    wait's retry path jumping back in). A warp-specialized kernel has a key loop per
+    partition, so each is counted; a stack only written before a loop and read after it
+    costs no per-tile traffic."""
     code = sass_lines(sass)
-    loop = (0, -1)
+    spills = [a for a, i in code if re.search(r"\b(STL|LDL)", i)]
+    worst = 0
     for addr, ins in code:
-        t = re.match(r"@!?U?P\d\s+BRA\s+(0x[0-9a-f]+)", ins)  # conditional: a loop's own edge
-        if t and int(t.group(1), 16) < addr and addr - int(t.group(1), 16) > loop[1] - loop[0]:
-            loop = (int(t.group(1), 16), addr)
-    return sum(1 for addr, ins in code
-               if loop[0] <= addr <= loop[1] and re.search(r"\b(STL|LDL)", ins))
+        t = re.match(r"@!?U?P\d\s+BRA\s+(0x[0-9a-f]+)", ins)
+        if t and int(t.group(1), 16) < addr:
+            worst = max(worst, sum(1 for a in spills if int(t.group(1), 16) <= a <= addr))
+    return worst
 
 
 def report(kernel) -> dict:

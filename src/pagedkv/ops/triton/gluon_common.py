@@ -48,12 +48,23 @@ def half_sum(x):
 
 
 @gluon.jit
-def e4m3_softmax(s, m_i, l_acc, p_dst, BLOCK_M: gl.constexpr):
+def key_order(x):
+    """[64 keys, N] -> the keys in the MLA e4m3 kernels' V^T order
+    (``mla_gluon_e4m3._transpose_matrix``): position 16w + 4q + 2e + h holds key
+    16w + 8h + 2q + e (the keys 8 apart that a thread of an MMA accumulator holds side by
+    side: P's stores are 16-bit)."""
+    y = gl.permute(gl.reshape(x, [4, 2, 4, 2, x.shape[1]]), (0, 2, 3, 1, 4))
+    return gl.reshape(y, [64, x.shape[1]])
+
+
+@gluon.jit
+def e4m3_softmax(s, m_i, l_acc, p_dst, BLOCK_M: gl.constexpr, MLA_KEYS: gl.constexpr = False):
     """One tile's online-softmax step on scaled scores ``s`` [keys, rows] (log2 units, -inf
     where not seen): P x 256 (normal in e4m3 down to 2^-14 after the factor) as e4m3 hi and
     lo, stored transposed into rows [0, BLOCK_M) and [BLOCK_M, 2 BLOCK_M) of ``p_dst``;
     returns (alpha, new maxima, row sums kept per thread), the sums adding the e4m3 values
-    the MMA multiplies."""
+    the MMA multiplies. ``MLA_KEYS``: P's keys stored in the MLA e4m3 kernels' V^T order
+    (``mla_gluon_e4m3.key_order``)."""
     e4: gl.constexpr = gl.float8e4nv
     m_new = gl.maximum(m_i, gl.max(s, 0))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -62,6 +73,10 @@ def e4m3_softmax(s, m_i, l_acc, p_dst, BLOCK_M: gl.constexpr):
     p8 = p.to(e4)
     pq = p8.to(gl.float32)
     p8l = (p - pq).to(e4)
+    l_new = l_acc * alpha[None, :] + (pq + p8l.to(gl.float32))
+    if MLA_KEYS:
+        p8 = key_order(p8)
+        p8l = key_order(p8l)
     p_dst.slice(0, BLOCK_M, dim=0).store(gl.permute(p8, (1, 0)))
     p_dst.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(p8l, (1, 0)))
-    return alpha, m_new, l_acc * alpha[None, :] + (pq + p8l.to(gl.float32))
+    return alpha, m_new, l_new

@@ -67,6 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from pagedkv.ops.fp8 import DS_MLA_GROUP, ds_mla_entry_bytes
 from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
+from pagedkv.ops.triton.gluon_common import key_order
 from pagedkv.ops.triton.gluon_common import request_tile as _request_tile
 from pagedkv.ops.triton.mla_gluon import (
     BLOCK_N,
@@ -83,6 +84,7 @@ from pagedkv.ops.triton.mla_gluon_e4m3 import (
     _transpose_latent,
     _transpose_pairs,
     _transposer,
+    latent_dim,
 )
 
 # ring slots: a 64-key tile is 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); with the
@@ -163,8 +165,9 @@ def _store_p(p, f, dst, BLOCK_M: gl.constexpr):
     e4: gl.constexpr = gl.float8e4nv
     pg = p * f[:, None]
     p8 = pg.to(e4)
-    dst.slice(0, BLOCK_M, dim=0).store(gl.permute(p8, (1, 0)))
-    dst.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute((pg - p8.to(gl.float32)).to(e4), (1, 0)))
+    lo = key_order((pg - p8.to(gl.float32)).to(e4))
+    dst.slice(0, BLOCK_M, dim=0).store(gl.permute(key_order(p8), (1, 0)))
+    dst.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(lo, (1, 0)))
 
 
 @gluon.jit
@@ -390,7 +393,7 @@ def _mla_gluon_ds(
     gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
     m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
     out = ws_o + _ws_rows(m_o, q_start, heads, num_splits, split)[None, :] * R \
-        + gl.arange(0, GW, layout=gl.SliceLayout(1, o_l))[:, None]
+        + latent_dim(gl.arange(0, GW, layout=gl.SliceLayout(1, o_l)))[:, None]
     omask = (m_o // heads < q_len)[None, :]
     gl.store(out, acc0 * (1.0 / 256.0), mask=omask)
     gl.store(out + GW, acc1 * (1.0 / 256.0), mask=omask)
@@ -527,7 +530,7 @@ def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
     gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
     m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
     out = ws_o + _ws_rows(m_o, q_start, heads, 2 * num_splits, 2 * split + G)[None, :] * R \
-        + gl.arange(0, GW, layout=gl.SliceLayout(1, o_l))[:, None]
+        + latent_dim(gl.arange(0, GW, layout=gl.SliceLayout(1, o_l)))[:, None]
     omask = (m_o // heads < q_len)[None, :]
     gl.store(out, acc0 * (1.0 / 256.0), mask=omask)
     gl.store(out + GW, acc1 * (1.0 / 256.0), mask=omask)

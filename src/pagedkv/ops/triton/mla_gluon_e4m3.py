@@ -121,32 +121,55 @@ def _transpose_pairs(kv, vt16, vt16_b, R: gl.constexpr, ROWS: gl.constexpr,
 
 @gluon.jit
 def _pair_quads(x):
-    """4 int16 (key pairs 4g, 4g + 1 | 4g + 2, 4g + 3 of byte columns 2p, 2p + 1, as
-    ``_transpose_matrix`` loads them) -> the 4 int16 (key pair 2g, 2g + 1 of column 2p |
-    of column 2p + 1): two byte permutes."""
+    """4 int16 (keys k, k + 1 | k + 8, k + 9 of byte columns 2p, 2p + 1, as
+    ``_transpose_matrix`` loads them) -> the 4 int16 (key pairs (k, k + 8), (k + 1, k + 9)
+    of column 2p | of column 2p + 1): two byte permutes."""
     return gl.inline_asm_elementwise(
-        "prmt.b32 $0, $2, $3, 0x6420;\n\tprmt.b32 $1, $2, $3, 0x7531;", "=r,=r,r,r", [x],
+        "prmt.b32 $0, $2, $3, 0x6240;\n\tprmt.b32 $1, $2, $3, 0x7351;", "=r,=r,r,r", [x],
         dtype=gl.int16, is_pure=True, pack=4)
 
 
 @gluon.jit
-def _transpose_matrix(kv, vt16, vt16_b, R: gl.constexpr, ROWS: gl.constexpr):
-    """``_transpose_pairs`` through the 8 x 8 b16 matrix instructions: the latent seen as
-    int16 (two columns of one key) is read with ``ldmatrix.trans`` in a layout that gives
-    each thread, per column pair, keys 4g .. 4g + 3 (rows chosen so), two byte permutes make
-    them key pairs of one column, and ``stmatrix`` writes 8 x 8 key-pair blocks of V^T.
-    Triton picks both instructions from the layouts (checked in the sm_90 PTX): per 128
-    columns 4 + 4 instructions a thread instead of 4 loads and 32 16-bit stores."""
+def latent_dim(i):
+    """V^T row i -> its latent dimension: in each 128 rows, row 64h + p holds dimension
+    2p + h (``_transpose_matrix``)."""
+    return (i // 128) * 128 + 2 * (i % 64) + (i % 128) // 64
+
+
+@gluon.jit
+def _transpose_matrix(kv, vt16, vt16_b, n_keep, MASK: gl.constexpr, R: gl.constexpr,
+                      ROWS: gl.constexpr):
+    """A landed [64 keys, R] e4m3 tile's latent -> V^T (K-major for the value MMA; its first
+    ``ROWS`` rows into ``vt16``, the rest into ``vt16_b``, both seen as [rows, 32] int16
+    key pairs) through the 8 x 8 b16 matrix instructions; with ``MASK`` keys from
+    ``n_keep`` on zeroed (NaN-filled slots would survive a zero probability).
+
+    The latent seen as int16 (two columns of one key) is read with ``ldmatrix.trans`` in
+    ``ld_l``: each matrix's 8 rows are 8 consecutive keys, so its
+    8 row addresses fall in distinct banks under the 128-byte swizzle; a thread gets keys
+    k, k + 1 (matrix A) and k + 8, k + 9 (matrix B) of a column pair, two byte permutes
+    make 4-key words of one column, and ``stmatrix`` writes them, 8 consecutive V^T rows
+    a matrix (distinct banks under the 64-byte swizzle). That fixes two orders, both
+    undone elsewhere: V^T's keys (``gluon_common.key_order``, which P follows) and its rows
+    (``latent_dim``, which the output store follows). Triton picks both instructions from
+    the layouts (checked in the sm_90 PTX): per 128 columns 4 + 4 a thread."""
+    # registers: key +1, +8 (two matrices), column +8 (two more), +16, +32 (more loads);
+    # lanes: key +2, +4 (a matrix's row pairs), column +1, +2, +4; warps: key +16, +32
     ld_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]],
-        lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+        reg_bases=[[1, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
+        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
+    keep = gl.arange(0, 64, layout=gl.SliceLayout(1, ld_l)) < n_keep
     kv16 = kv._reinterpret(gl.int16, [64, R // 2], gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=16, rank=2))
     for c in gl.static_range(R // 128):
-        y = _pair_quads(kv16.slice(c * 64, 64, dim=1).load(ld_l))
-        # (key 4a + 2b + e, column pair p) holds V^T row 2p + b, key pair 2a + e
-        y = gl.reshape(gl.permute(gl.reshape(y, [16, 2, 2, 64]), (3, 1, 0, 2)), [128, 32])
+        y = kv16.slice(c * 64, 64, dim=1).load(ld_l)
+        if MASK:
+            y = gl.where(keep[:, None], y, gl.zeros_like(y))
+        y = _pair_quads(y)
+        # (key 16w + 8h + 2q + e, column pair p) holds V^T row 64h + p, key pair 8w + 2q + e
+        # (keys 16w + 2q + e, 16w + 2q + e + 8)
+        y = gl.reshape(gl.permute(gl.reshape(y, [4, 2, 4, 2, 64]), (1, 4, 0, 2, 3)), [128, 32])
         if c * 128 < ROWS:
             vt16.slice(c * 128, 128, dim=0).store(y)
         else:
@@ -181,7 +204,7 @@ def _store_halves(ws_o, ws_m, ws_l, m_r, m_i, l_acc, acc0, acc1, tile, q_start, 
     m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
     base_o = _ws_rows(m_o, q_start, heads, num_splits, split)
     omask = (m_o // heads < q_len)[None, :]
-    co = gl.arange(0, H, layout=gl.SliceLayout(1, o_l))
+    co = latent_dim(gl.arange(0, H, layout=gl.SliceLayout(1, o_l)))  # V^T's row order
     gl.store(ws_o + base_o[None, :] * R + co[:, None], acc0 * (lscale / 256.0), mask=omask)
     gl.store(ws_o + base_o[None, :] * R + (co + H)[:, None], acc1 * (lscale / 256.0),
              mask=omask)
@@ -211,10 +234,8 @@ def _transposer(args, R: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constex
     (kv_smem, vt_smem, bars, vt_ready, vt_free, table_row, s_lo, n_tiles, block_size,
      num_blocks, seq_len) = args
     H: gl.constexpr = R // 2
-    v_l: gl.constexpr = gl.BlockedLayout([2, 16], [32, 1], [1, 4], [1, 0])
     vt16_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N,
                                                   element_bitwidth=16, rank=2)
-    kt = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_l))
     page = gl.load(table_row + s_lo // block_size, mask=n_tiles > 0, other=0)
     for it in range(n_tiles):
         j = it % 2
@@ -227,12 +248,12 @@ def _transposer(args, R: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constex
         mbarrier.wait(vt_free.index(j), ((it // 2) & 1) ^ 1)  # (fresh: passes)
         mbarrier.wait(bars.index(it % STAGES), (it // STAGES) & 1)
         kv = kv_smem.index(it % STAGES)
+        vt16_a = vt_a._reinterpret(gl.int16, [H, BLOCK_N // 2], vt16_lay)
+        vt16_b = vt_b._reinterpret(gl.int16, [H, BLOCK_N // 2], vt16_lay)
         if (n0 + BLOCK_N > seq_len) | bad:
-            _transpose_latent(kv, vt_a, vt_b, (n0 + kt < seq_len) & (bad == 0), True, R, H,
-                              v_l)
+            _transpose_matrix(kv, vt16_a, vt16_b, gl.where(bad, 0, seq_len - n0), True, R, H)
         else:
-            _transpose_matrix(kv, vt_a._reinterpret(gl.int16, [H, BLOCK_N // 2], vt16_lay),
-                              vt_b._reinterpret(gl.int16, [H, BLOCK_N // 2], vt16_lay), R, H)
+            _transpose_matrix(kv, vt16_a, vt16_b, BLOCK_N, False, R, H)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(vt_ready.index(j), count=1)
@@ -294,7 +315,8 @@ def _mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
         s = gl.convert_layout(_half_sum(s2), t_l)
         seen = ((n0 + kn)[:, None] < hi[None, :]) & (bad == 0)
         s = gl.where(seen, s * row_scale[None, :], float("-inf"))
-        alpha, m_i, l_acc = _e4m3_softmax(s, m_i, l_acc, p2_smem.index(G + wi), BLOCK_M)
+        alpha, m_i, l_acc = _e4m3_softmax(s, m_i, l_acc, p2_smem.index(G + wi), BLOCK_M,
+                                          True)
         fence_async_shared()
         gl.thread_barrier()  # P stored and every warp's score MMAs over
         mbarrier.wait(vt_ready.index(G), j & 1)
