@@ -4,11 +4,12 @@ default for the fp8_ds_mla calls it takes (``supported``) on Hopper.
 
 Why: fp8_ds_mla (DeepSeek / Kimi) was served by the Triton pointer kernel, ~0.54x the bf16
 kernel's throughput on the H200 (docs/kernels.md). History: a one-warpgroup form of this
-kernel (``_mla_gluon_ds``, behind ``WS = False``) was deleted (DELETION_COMMIT) after the
-lead's H200 check (2026-12-04 21:22-21:24 UTC, main at b6288d0, torch 2.11.0+cu130, triton
-3.6.0; ``PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py ds WS=1 WS=0``, B64 ctx8K h16
-q1 page 64, CUDA-graph replays): this kernel 147.8 us, 0.99x the bf16 Gluon kernel's
-throughput (146.2 us; relative error 2.8e-2), the one-warpgroup form 194.0 us (0.75x).
+kernel (``_mla_gluon_ds``, behind ``WS = False``) was deleted (commit 5fc7975, 2026-12-04
+21:28 UTC) after the lead's H200 check (2026-12-04 21:22-21:24 UTC, main at b6288d0, torch
+2.11.0+cu130, triton 3.6.0; ``PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py ds WS=1
+WS=0``, B64 ctx8K h16 q1 page 64, CUDA-graph replays): this kernel 147.8 us, 0.99x the bf16
+Gluon kernel's throughput (146.2 us; relative error 2.8e-2), the one-warpgroup form 194.0
+us (0.75x).
 
 ``_mla_gluon_ds_ws`` is warp-specialized as ``mla_gluon_e4m3._mla_gluon_e4m3``: that
 module's transposing warpgroup (``_transposer``: each tile's latent into V^T buffer pair
@@ -72,8 +73,8 @@ from pagedkv.ops.triton.mla_gluon import (
 )
 from pagedkv.ops.triton.mla_gluon_e4m3 import MAXNREG, _transposer
 
-# ring slots: a 64-key tile is 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); 3 do not fit
-# beside the queries, the two V^T buffer pairs and the eight P buffers
+# ring slots of 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); the kernel (its first ring
+# fill, a ``static_assert``) is written for 2
 STAGES = 2
 # each MMA warpgroup's registers (``setmaxnreg``; the transposing warpgroup gets the rest of
 # ``mla_gluon_e4m3.MAXNREG`` x 12 warps)
