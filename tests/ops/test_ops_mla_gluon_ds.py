@@ -81,10 +81,9 @@ def emulate_ds_kernel(q_lat, q_rope, entries, seq_len, mask, scale, splits=1, *,
     hi + lo, a fresh product per tile multiplied back by that max, row sums of the
     unscaled P, the splits with each split's tiles alternating between two running states
     (the two MMA warpgroups: workspace splits 2 split and 2 split + 1), the combine. Not
-    mirrored: the tensor cores' accumulation
-    order and precision (fp32 here) and exp2's last-bit error. ``p_lo`` / ``group_max``
-    False: P without its lo part / P x s_g without the normalisation (what the kernel does
-    not do, to show the test can fail)."""
+    mirrored: the tensor cores' accumulation order and precision (fp32 here) and exp2's
+    last-bit error. ``p_lo`` / ``group_max`` False: P without its lo part / P x s_g without
+    the normalisation (what the kernel does not do, to show the test can fail)."""
     q_len, heads, _ = q_lat.shape
     rows = q_len * heads
     x = q_lat.reshape(rows, RANK).float()
