@@ -172,20 +172,6 @@ def e4m3_form(stages: int | None):
     return kernel_switches(e4, triton_mla._GLUON_PLANS, STAGES=stages or e4.STAGES)
 
 
-# --gluon, MLA fp8_ds_mla: the Triton kernel (gluon=False) and the one-warpgroup Gluon kernel
-# (mla_gluon_ds.WS False; the default row is the warp-specialized one) at each ring depth of
-# PAGEDKV_BENCH_DS (a comma list, default 3,4)
-DS_STAGES = [int(x) for x in os.environ.get("PAGEDKV_BENCH_DS", "3,4").split(",") if x]
-
-
-def ds_form(stages: int):
-    """``mla_gluon_ds``'s one-warpgroup kernel with ``stages`` ring slots for the block."""
-    from pagedkv.ops.triton import mla as triton_mla
-    from pagedkv.ops.triton import mla_gluon_ds as ds
-
-    return kernel_switches(ds, triton_mla._GLUON_PLANS, STAGES=stages, WS=False)
-
-
 GRAPHS = [False]  # --graphs: rows also timed as CUDA-graph replays (no host launch path)
 
 
@@ -602,17 +588,11 @@ def mla_case(batch, ctx, heads, q_len, causal, page=64, fmt="bf16", peers=True, 
             with e4m3_form(stages):
                 if record(case, name, fn, nbytes, ref, flops) is not None and graph:
                     record_graphed(case, name, fn, nbytes, flops)
-    if fmt == "fp8_ds_mla" and GLUON[0]:  # the Triton kernel, the Gluon one per ring depth
+    if fmt == "fp8_ds_mla" and GLUON[0]:  # the Triton kernel (the Gluon one is the default row)
         fn = lambda: run(gluon=False)  # noqa: E731
         if record(case, config_name({"gluon": False}), fn, nbytes, ref, flops) is not None \
                 and graph:
             record_graphed(case, config_name({"gluon": False}), fn, nbytes, flops)
-        for stages in DS_STAGES:
-            name = f"pagedkv_gluon_ds[one warpgroup,stages={stages}]"
-            fn = lambda: run(gluon=True)  # noqa: E731
-            with ds_form(stages):
-                if record(case, name, fn, nbytes, ref, flops) is not None and graph:
-                    record_graphed(case, name, fn, nbytes, flops)
     if not peers or fmt != "bf16":
         return ref
     try:
@@ -674,8 +654,7 @@ def main(argv=None) -> int:
                         help="MLA bf16: also gluon=False (Triton kernels) and each 64-row Gluon "
                              "variant; MLA fp8: also the e4m3 Gluon kernel by name and its "
                              "sweep (PAGEDKV_BENCH_E4M3); MLA fp8_ds_mla: also the Triton kernel "
-                             "(gluon=False) and the Gluon kernel mla_gluon_ds per ring depth "
-                             "(PAGEDKV_BENCH_DS)")
+                             "(gluon=False)")
     parser.add_argument("--flex", action="store_true", help="also torch flex_attention (compiles)")
     parser.add_argument("--sweep", choices=["full", "small", "none"], default="full",
                         help="GQA launch-config sweeps: full grid + splits, a few candidates, or none")

@@ -3,19 +3,19 @@
 in the same process: one decode shape (B64 ctx8K h16 q1, page 64; ``B`` / ``CTX`` in the
 environment change batch and context), CUDA-graph replays of 10 calls, median of 20.
 
-Why: a switch of ``mla_gluon_e4m3`` or ``mla_gluon_ds`` (ring slots, the ds kernel's ``WS``
-form) is a compile-time constant; this flips them one spec at a time and reports the time,
-the ratio of bf16 time to it (throughput) and the relative error against the bf16 kernel on
-the unquantized latent (the storage error, ~3e-2). ``benchmarks/attention.py`` is the
+Why: a switch of ``mla_gluon_e4m3`` or ``mla_gluon_ds`` (ring slots, MMA warpgroup
+registers) is a compile-time constant; this flips them one spec at a time and reports the
+time, the ratio of bf16 time to it (throughput) and the relative error against the bf16
+kernel on the unquantized latent (the storage error, ~3e-2). ``benchmarks/attention.py`` is the
 issue's table; this is the quick A/B of forms.
 
 Usage on a GPU, from the repo root:
 
     PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py e4m3 STAGES=3 STAGES=2
-    PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py ds WS=1 WS=0
+    PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py ds STAGES=2
 
-A spec is NAME=INT[,NAME=INT...] of the module's attributes; ``MMA_REGS`` / ``WS_MMA_REGS``
-are read by the kernels as globals, which Triton fixes at their first compile: give one such
+A spec is NAME=INT[,NAME=INT...] of the module's attributes; ``MMA_REGS`` (both modules) is
+read by the kernels as a global, which Triton fixes at their first compile: give one such
 spec per process.
 """
 

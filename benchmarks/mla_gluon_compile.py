@@ -62,22 +62,18 @@ def compile_fwd(mask: str = "causal", dtype: str = "bf16", kernel: str = "rows",
 
 
 def compile_ds(mask: str = "causal", dtype: str = "bf16", stages: str | None = None):
-    """The fp8_ds_mla kernel over a uint8 cache of 656-byte entries, bf16 or fp16 queries (the
-    warp-specialized one with ``mla_gluon_ds.WS``, its ``WS_STAGES`` ring slots)."""
+    """The fp8_ds_mla kernel (``mla_gluon_ds._mla_gluon_ds_ws``) over a uint8 cache of
+    656-byte entries, bf16 or fp16 queries."""
     descs = mla_gluon_ds.descriptors(torch.empty(4, 64, mla_gluon_ds.ENTRY, dtype=torch.uint8))
-    ws = mla_gluon_ds.WS
     const = dict(R=mla_gluon.RANK, P=mla_gluon.ROPE, BLOCK_M=mla_gluon.SWAP_ROWS,
                  BLOCK_N=mla_gluon.BLOCK_N, CAUSAL=mask == "causal", HAS_DRAFT=mask == "draft",
-                 STAGES=int(stages) if stages else mla_gluon_ds.WS_STAGES if ws
-                 else mla_gluon_ds.STAGES)
-    if not ws:
-        const["PAIRS"] = mla_gluon_ds.PAIRS
+                 STAGES=int(stages) if stages else mla_gluon_ds.STAGES)
     q = "*fp16" if dtype == "fp16" else "*bf16"
     ptrs = {"ql_ptr": q, "qr_ptr": q, "qsl_ptr": "*i32", "lens_ptr": "*i32", "table_ptr": "*i32",
             "ws_o": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "flag_ptr": "*i32"}
-    fn = mla_gluon_ds._mla_gluon_ds_ws if ws else mla_gluon_ds._mla_gluon_ds
-    src = gluon_source(fn, const, ptrs, dict(zip(("kd", "rd", "sd"), descs)), ("scale",))
-    options = {"num_warps": 4, **({"maxnreg": mla_gluon_e4m3.MAXNREG} if ws else {})}
+    src = gluon_source(mla_gluon_ds._mla_gluon_ds_ws, const, ptrs,
+                       dict(zip(("kd", "rd", "sd"), descs)), ("scale",))
+    options = {"num_warps": 4, "maxnreg": mla_gluon_e4m3.MAXNREG}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

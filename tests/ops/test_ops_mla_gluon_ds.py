@@ -70,7 +70,7 @@ def _extents(rows: int, heads: int, q_len: int, seq_len: int, mask: Mask) -> tor
 
 def emulate_ds_kernel(q_lat, q_rope, entries, seq_len, mask, scale, splits=1, *, p_lo=True,
                       group_max=True):
-    """``_mla_gluon_ds`` step by step in float32 torch, for one request's <= 16 (query row,
+    """``_mla_gluon_ds_ws`` step by step in float32 torch, for one request's <= 16 (query row,
     head) rows: q_lat [q_len, H, 512], q_rope [q_len, H, 64] (bf16 or fp16), entries uint8
     [n, 656] in key order (n >= seq_len rounded up to 64 keys; slots past seq_len may hold
     anything, NaN bytes included, as unwritten cache slots do). Returns o [q_len, H, 512].
@@ -79,10 +79,11 @@ def emulate_ds_kernel(q_lat, q_rope, entries, seq_len, mask, scale, splits=1, *,
     the rope query rounded to bf16, per-group score products scaled per key and summed,
     masking by select, P x 256, P scaled per group by s_g / (the tile's max s_g), its e4m3
     hi + lo, a fresh product per tile multiplied back by that max, row sums of the
-    unscaled P, the splits and their combine. Not mirrored: the tensor cores' accumulation
-    order and precision (fp32 here) and exp2's last-bit error. ``p_lo`` / ``group_max``
-    False: P without its lo part / P x s_g without the normalisation (what the kernel does
-    not do, to show the test can fail)."""
+    unscaled P, the splits with each split's tiles alternating between two running states
+    (the two MMA warpgroups: workspace splits 2 split and 2 split + 1), the combine. Not
+    mirrored: the tensor cores' accumulation order and precision (fp32 here) and exp2's
+    last-bit error. ``p_lo`` / ``group_max`` False: P without its lo part / P x s_g without
+    the normalisation (what the kernel does not do, to show the test can fail)."""
     q_len, heads, _ = q_lat.shape
     rows = q_len * heads
     x = q_lat.reshape(rows, RANK).float()
@@ -101,13 +102,13 @@ def emulate_ds_kernel(q_lat, q_rope, entries, seq_len, mask, scale, splits=1, *,
     kv_hi = int(hi.max())
     per = math.ceil(math.ceil(kv_hi / splits) / TILE) * TILE  # ``_split_tiles``
     parts = []
-    for split in range(splits):
+    for split, group in ((s, g) for s in range(splits) for g in range(2)):
         s_lo = split * per
         n_tiles = max(-(-(min(s_lo + per, kv_hi) - s_lo) // TILE), 0)
         m_i = torch.full((rows,), float("-inf"))
         l_i = torch.zeros(rows)
         acc = torch.zeros(4, 128, rows)
-        for it in range(n_tiles):
+        for it in range(group, n_tiles, 2):  # MMA warpgroup ``group``'s tiles
             keys = s_lo + it * TILE + torch.arange(TILE)
             valid = keys < seq_len
             k8, kr = lat8[keys], rope[keys]
@@ -242,16 +243,17 @@ def compiled_for_sm90(mask: str, dtype: str, stages: str | None = None) -> dict:
 @pytest.mark.parametrize("mask,dtype,stages", [("causal", "bf16", None), ("draft", "fp16", None),
                                                ("full", "bf16", "2")])
 def test_ds_kernel_compiles_for_sm90_without_spills(mask, dtype, stages):
-    """The warp-specialized kernel (the default): ring (latent, rope and scale boxes, 2
-    slots), queries, two V^T buffer pairs and each MMA warpgroup's four P_g buffers fit in
-    227 KB; nothing in local memory but what the MMA warpgroups (232 registers) keep there,
-    at most 4 words a tile in the longest loop (H200: 150 us against the spill-free
-    one-warpgroup kernel's 195, docs/kernels.md); the latent's MMAs are e4m3, m64n32k32 (hi
-    and lo as N = 32): scores 4 groups x 4 k-steps, values 4 groups x 2 M-tiles x 2
-    k-steps; the rope's alone bf16 (64 keys x 16 rows over 64 columns: 4 m64n16k16); all
-    of it in each of the two MMA warpgroups; the copies are TMA; the transpose on the 8 x 8
-    matrix instructions."""
+    """The warp-specialized kernel: ring (latent, rope and scale boxes, 2 slots), queries,
+    two V^T buffer pairs and each MMA warpgroup's four P_g buffers fit in 227 KB; nothing in
+    local memory but what the MMA warpgroups (232 registers, set by ``setmaxnreg``) keep
+    there, at most 4 words a tile in the longest loop (H200: 150 us against the deleted,
+    spill-free one-warpgroup kernel's 195, docs/kernels.md); the latent's MMAs are e4m3,
+    m64n32k32 (hi and lo as N = 32): scores 4 groups x 4 k-steps, values 4 groups x 2
+    M-tiles x 2 k-steps; the rope's alone bf16 (64 keys x 16 rows over 64 columns: 4
+    m64n16k16); all of it in each of the two MMA warpgroups; the copies are TMA; the
+    transpose on the 8 x 8 matrix instructions."""
     use = compiled_for_sm90(mask, dtype, stages)
+    assert use["ptx"].get("setmaxnreg.dec.sync.aligned.u32", 0) > 0, use  # warp-specialized
     assert 0 < use["shared"] <= SHARED_LIMIT, use
     assert use["loop_spills"] <= 4 and use["LOCAL"] == 0, use
     mma = {k: n for k, n in use["ptx"].items() if k.startswith("wgmma")}
@@ -287,33 +289,28 @@ def test_supported_names_what_it_refuses():
     assert "page-contiguous" in ds_mod.supported(**_cpu_args(cache=every_other_page))
 
 
-def test_plan_launches_the_ds_kernel_over_three_boxes_of_the_entry(monkeypatch):
-    """``mla_gluon.plan`` on a uint8 cache: this kernel with the module's ring depth, and
-    TMA boxes over the entry's bytes: latent [64, 512] e4m3 at column 0, rope [64, 64]
-    bf16, scales [64, 4] fp32, rows of 656 bytes in every view."""
-    monkeypatch.setattr(ds_mod, "STAGES", 3)
+def test_plan_launches_the_ds_kernel_over_three_boxes_of_the_entry():
+    """``mla_gluon.plan`` on a uint8 cache: the warp-specialized kernel with the module's
+    ring depth, two workspace splits a program, and TMA boxes over the entry's bytes: latent
+    [64, 512] e4m3 at column 0, rope [64, 64] bf16, scales [64, 4] fp32, rows of 656 bytes
+    in every view."""
+    from pagedkv.ops.triton.mla_gluon_e4m3 import MAXNREG
+
     cache = torch.zeros(3, 64, ENTRY, dtype=torch.uint8)
     ql = torch.zeros(2, 16, RANK).bfloat16()
     qr = torch.zeros(2, 16, ROPE).bfloat16()
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
 
-    def plan():
-        return mla_gluon.plan(ql, qr, cache, qsl, torch.tensor([70, 100], dtype=torch.int32),
-                              torch.tensor([[2, 0], [1, 0]], dtype=torch.int32),
-                              torch.empty(2, 16, RANK), scale=0.1, mask=CAUSAL, tiles=1,
-                              splits=2, block_m=16)
-
-    assert ds_mod.WS  # the warp-specialized kernel: 2 slots, two workspace splits a program
-    made = plan()
+    made = mla_gluon.plan(ql, qr, cache, qsl, torch.tensor([70, 100], dtype=torch.int32),
+                          torch.tensor([[2, 0], [1, 0]], dtype=torch.int32),
+                          torch.empty(2, 16, RANK), scale=0.1, mask=CAUSAL, tiles=1, splits=2,
+                          block_m=16)
     assert made.kernel.kernel is ds_mod._mla_gluon_ds_ws
-    assert made.kernel.consts["STAGES"] == ds_mod.WS_STAGES == 2
-    assert made.kernel.consts["num_warps"] == 4 and "maxnreg" in made.kernel.consts
+    assert made.kernel.consts == dict(R=RANK, P=ROPE, BLOCK_M=16, BLOCK_N=TILE, STAGES=2,
+                                      CAUSAL=True, HAS_DRAFT=False, num_warps=4,
+                                      maxnreg=MAXNREG)
+    assert ds_mod.STAGES == 2
     assert made.kernel.grid == (2, 2, 1) and made.ws_shape == (2, 16, 4, RANK)
-    monkeypatch.setattr(ds_mod, "WS", False)
-    made = plan()
-    assert made.kernel.kernel is ds_mod._mla_gluon_ds
-    assert made.kernel.consts["STAGES"] == 3 and made.kernel.consts["num_warps"] == 4
-    assert made.kernel.grid == (2, 2, 1) and made.ws_shape == (2, 16, 2, RANK)
     kd, rd, sd = made.descriptors
     assert [(d.base.dtype, d.shape, d.strides, d.block_shape) for d in (kd, rd, sd)] == [
         (E4M3, [192, 656], [656, 1], [64, 512]), (torch.bfloat16, [192, 328], [328, 1], [64, 64]),
@@ -389,18 +386,15 @@ def test_default_ds_call_takes_gluon_on_hopper_and_triton_elsewhere(monkeypatch)
     assert launched() == "triton"
 
 
-def test_kept_plan_key_follows_the_form(monkeypatch):
+def test_kept_plan_key_follows_the_ring_depth(monkeypatch):
     from pagedkv.ops.triton import mla as triton_mla
 
     cache = torch.zeros(2, 64, ENTRY, dtype=torch.uint8)
     keys = set()
-    for stages, pairs, ws in [(4, True, False), (3, True, False), (3, False, False),
-                              (2, True, False), (3, True, True)]:
+    for stages in (2, 3):
         monkeypatch.setattr(ds_mod, "STAGES", stages)
-        monkeypatch.setattr(ds_mod, "PAIRS", pairs)
-        monkeypatch.setattr(ds_mod, "WS", ws)
         keys.add(triton_mla._ds_settings(cache))
-    assert len(keys) == 5
+    assert len(keys) == 2
     assert triton_mla._ds_settings(torch.zeros(2, 64, 576, dtype=torch.bfloat16)) is None
 
 
@@ -496,18 +490,6 @@ def test_ds_kernel_keys_of_far_apart_scales(monkeypatch):
         case = _ds_case([777, 2000], [1, 1], 16, 64, torch.bfloat16, seed, spread)
         got = _run(case, Mask(), 0.07, gluon=True, splits=2)
         _check(got, case, [1, 1], [777, 2000], Mask(), 0.07, 2)
-
-
-@pytest.mark.parametrize("stages,pairs", [(3, True), (2, True), (3, False), (4, False)])
-def test_ds_kernel_other_forms(monkeypatch, stages, pairs):
-    """The one-warpgroup kernel (``WS`` False) at its ring depths and transposes."""
-    _needs_hopper()
-    monkeypatch.setattr(ds_mod, "WS", False)
-    monkeypatch.setattr(ds_mod, "STAGES", stages)
-    monkeypatch.setattr(ds_mod, "PAIRS", pairs)
-    case = _ds_case([4097, 63, 640], [1] * 3, 16, 128, torch.bfloat16, seed=5)
-    got = _run(case, Mask(), 0.07, gluon=True, splits=3)
-    _check(got, case, [1] * 3, [4097, 63, 640], Mask(), 0.07, 3)
 
 
 def test_ds_kernel_is_the_default_and_keeps_its_plan(monkeypatch):

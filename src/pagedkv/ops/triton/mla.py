@@ -446,8 +446,8 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     per request on blocks of multiples of 64, where ``gluon`` (per-tensor e4m3 with a float
     scale: ``mla_gluon_e4m3``, both products on e4m3 MMAs, 0.75x the bf16 Gluon kernel's
     time; fp8_ds_mla: ``mla_gluon_ds``, warp-specialized, 150 us where its one-warpgroup form
-    took 195 and the pointer kernel 396; H200 B64 ctx8K h16 q1, 2026-12-04 19:52, 20:31 and
-    17:12 UTC, docs/kernels.md; ``mla_gluon.supported``
+    (deleted since) took 195 and the pointer kernel 396; H200 B64 ctx8K h16 q1, 2026-12-04
+    19:52, 20:31 and 17:12 UTC, docs/kernels.md; ``mla_gluon.supported``
     sends the rest back to the pointer kernel with this config, e.g. any call off Hopper).
     ``waves``: programs per multiprocessor that the KV splits aim at (rounded down: a second
     partial wave cost more than it gained in the sweeps)."""
@@ -531,13 +531,13 @@ def _gluon_key(q_latent, q_rope, cache, query_start_loc, seq_lens, block_table, 
 
 
 def _ds_settings(cache) -> tuple | None:
-    """fp8_ds_mla: the Gluon kernel's form (``mla_gluon_ds``), which a kept plan must
-    follow."""
+    """fp8_ds_mla: the Gluon kernel's switch (``mla_gluon_ds.STAGES``), which a kept plan
+    must follow."""
     if cache.dtype != torch.uint8:
         return None
     from pagedkv.ops.triton import mla_gluon_ds
 
-    return mla_gluon_ds.WS, mla_gluon_ds.WS_STAGES, mla_gluon_ds.STAGES, mla_gluon_ds.PAIRS
+    return (mla_gluon_ds.STAGES,)
 
 
 def _run_gluon(plan, q_latent, q_rope, cache, query_start_loc, seq_lens, block_table,

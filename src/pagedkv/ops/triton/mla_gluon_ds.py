@@ -1,28 +1,22 @@
 """Absorbed MLA decode over an fp8_ds_mla cache in Gluon (Hopper sm_90): the per-tensor e4m3
-kernel extended to per-128-column fp32 scales and a bf16 rope; the default for the
-fp8_ds_mla calls it takes (``supported``) on Hopper.
-
-Two forms. ``_mla_gluon_ds_ws`` (``WS``, the default since 2026-12-04 ~20:35 UTC) is
-warp-specialized as ``mla_gluon_e4m3._mla_gluon_e4m3``: that module's transposing warpgroup,
-two MMA warpgroups on alternate tiles (the value MMAs one group at a time, 232 registers
-each), two ring slots, two workspace splits a program. H200 (2026-12-04 20:30-20:31 UTC,
-B64 ctx8K h16 q1 page 64, graph replays, ``WS`` against the bf16 kernel in one process,
-``benchmarks/mla_fp8_forms.py ds WS=1 WS=0``; docs/kernels.md): 150.1 / 150.2 us against
-194.5 / 195.3 for ``_mla_gluon_ds`` and 145.7 for bf16 (0.97x its throughput, from 0.75x).
-``_mla_gluon_ds`` is the one-warpgroup kernel (``mla_gluon_e4m3``'s design before it was
-warp-specialized) the rest of this docstring describes.
+kernel (``mla_gluon_e4m3``) extended to per-128-column fp32 scales and a bf16 rope; the
+default for the fp8_ds_mla calls it takes (``supported``) on Hopper.
 
 Why: fp8_ds_mla (DeepSeek / Kimi) was served by the Triton pointer kernel, ~0.54x the bf16
-kernel's throughput on the H200 (docs/kernels.md); the per-tensor e4m3 Gluon kernel showed
-that both products on 8-bit tensor cores can beat bf16. On an H200 (2026-12-04 17:12-17:13
-UTC, torch 2.11+cu130, triton 3.6.0; ``PAGEDKV_BENCH_MLA_FAMILIES=mla_q1,mla_fp8,mla_ds
-PAGEDKV_BENCH_GLUON_VARIANTS= PAGEDKV_BENCH_E4M3=4:0:1,4:0:1:2,3:0:1:2 PAGEDKV_BENCH_DS=4,3
-PYTHONPATH=src python3 benchmarks/attention.py --only mla --quick --graphs --no-mla-sweep
---gluon``, the e4m3 forms' format of that date), B64 ctx8K h16 q1 page 64, us eager / CUDA
-graph: this kernel 191.4 / 191.3 with 3 ring slots, 194.3 / 192.5 with 4; the Triton
-kernel 397.7 / 395.7 (2.08x / 2.07x this kernel's time); relative error against bf16
-attention over the unquantized latent 2.7e-2 for both. Its GPU tests
-(tests/ops/test_ops_mla_gluon_ds.py) passed on that machine.
+kernel's throughput on the H200 (docs/kernels.md). History: a one-warpgroup form of this
+kernel (``_mla_gluon_ds``, behind ``WS = False``) was deleted (commit 5fc7975, 2026-12-04
+21:28 UTC) after the lead's H200 check (2026-12-04 21:22-21:24 UTC, main at b6288d0, torch
+2.11.0+cu130, triton 3.6.0; ``PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py ds WS=1
+WS=0``, B64 ctx8K h16 q1 page 64, CUDA-graph replays): this kernel 147.8 us, 0.99x the bf16
+Gluon kernel's throughput (146.2 us; relative error 2.8e-2), the one-warpgroup form 194.0
+us (0.75x).
+
+``_mla_gluon_ds_ws`` is warp-specialized as ``mla_gluon_e4m3._mla_gluon_e4m3``: that
+module's transposing warpgroup (``_transposer``: each tile's latent into V^T buffer pair
+t % 2, the four 128-column groups as row slices) and two MMA warpgroups on alternate tiles
+(``_ds_mma``, ``MMA_REGS`` registers each, the value MMAs one group at a time), ``STAGES``
+ring slots, two workspace splits a program (one per MMA warpgroup; the combine merges them
+like any others).
 
 The cache's 656-byte entries ``[512 e4m3 | 4 fp32 scales | 64 bf16 rope]`` (``ops/fp8.py``)
 arrive by TMA as three boxes per 64-key tile, all on one mbarrier: the latent as a [64, 512]
@@ -35,9 +29,8 @@ the bytes seen as bf16 [slots, 328], the scales as a [64, 4] fp32 box at column 
   queries as e4m3 hi + lo rows stacked as N = 32, one scale per row: amax / 448 over the
   512 latent columns) into its own accumulator, scaled per key in registers; the rope as a
   bf16 MMA on bf16 queries (the cache keeps rope in bf16, so no hi/lo is needed).
-- Values O_g^T = V_g^T (P s_g)^T: the latent transposed through registers into four
-  [128, 64] K-major buffers (``mla_gluon_e4m3._transpose_pairs`` / ``_transpose_latent``);
-  P x 256 scaled per key by s_g / max_g (max_g: the tile's largest scale of group g, so the
+- Values O_g^T = V_g^T (P s_g)^T: V_g^T a row slice of the K-major V^T pair; P x 256
+  scaled per key by s_g / max_g (max_g: the tile's largest scale of group g, so the
   operand stays within e4m3's range and keeps its largest values normal), split into e4m3
   hi + lo, one MMA per group; each product (a fresh accumulator) is multiplied back by
   max_g when added to the running output. Row sums add the unscaled P in fp32.
@@ -79,29 +72,14 @@ from pagedkv.ops.triton.mla_gluon import (
     _split_tiles,
     _ws_rows,
 )
-from pagedkv.ops.triton.mla_gluon_e4m3 import (
-    MAXNREG,
-    _transpose_latent,
-    _transpose_pairs,
-    _transposer,
-    latent_dim,
-)
+from pagedkv.ops.triton.mla_gluon_e4m3 import MAXNREG, _transposer, latent_dim
 
-# ring slots: a 64-key tile is 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); with the
-# queries (18 KB), the transposed latent (32 KB) and P (8 KB) up to 4 fit in 227 KB.
-# 3: 191.4 / 191.3 us eager / graph against 194.3 / 192.5 with 4 (H200 17:12 UTC, above),
-# 1% faster and 41 KB less shared memory
-STAGES = 3
-# the latent transposed as key pairs (``_transpose_pairs``); False: ``_transpose_latent``
-PAIRS = True
-# the warp-specialized kernel (``_mla_gluon_ds_ws``: ``mla_gluon_e4m3``'s transposing
-# warpgroup and two MMA warpgroups on alternate tiles), with ``WS_STAGES`` ring slots (3 do
-# not fit beside two V^T buffer pairs); False: ``_mla_gluon_ds``, one warpgroup
-WS = True
-WS_STAGES = 2
+# ring slots of 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); the kernel (its first ring
+# fill, a ``static_assert``) is written for 2
+STAGES = 2
 # each MMA warpgroup's registers (``setmaxnreg``; the transposing warpgroup gets the rest of
 # ``mla_gluon_e4m3.MAXNREG`` x 12 warps)
-WS_MMA_REGS = gl.constexpr(232)
+MMA_REGS = gl.constexpr(232)
 ENTRY = ds_mla_entry_bytes(RANK, ROPE)  # 656 bytes
 GROUPS = RANK // DS_MLA_GROUP  # 4 scales per key
 _ROPE_COL = gl.constexpr((RANK + 4 * GROUPS) // 2)  # bf16 column of the rope (byte 528)
@@ -146,20 +124,6 @@ def _pick(v, sel, g: gl.constexpr):
 
 
 @gluon.jit
-def _transpose_group(kv, vt, g: gl.constexpr, keep, MASK: gl.constexpr, PAIRS: gl.constexpr,
-                     v_l: gl.constexpr):
-    """Latent columns [128 g, 128 g + 128) of a landed tile -> ``vt`` [128, 64] (V_g^T,
-    K-major), keys not ``keep`` zeroed with ``MASK``; by key pairs with ``PAIRS``."""
-    src = kv.slice(g * 128, 128, dim=1)
-    if MASK or not PAIRS:
-        _transpose_latent(src, vt, vt, keep, MASK, 128, 128, v_l)
-    else:
-        vt16 = vt._reinterpret(gl.int16, [128, vt.shape[1] // 2], gl.NVMMASharedLayout(
-            swizzle_byte_width=vt.shape[1], element_bitwidth=16, rank=2))
-        _transpose_pairs(src, vt16, vt16, 128, 128, v_l)
-
-
-@gluon.jit
 def _store_p(p, f, dst, BLOCK_M: gl.constexpr):
     """P x f (f: per key) as e4m3 hi (rows [0, BLOCK_M) of ``dst``) + lo (the next rows)."""
     e4: gl.constexpr = gl.float8e4nv
@@ -171,242 +135,11 @@ def _store_p(p, f, dst, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _mla_gluon_ds(
-    ql_ptr, qr_ptr, qsl_ptr, lens_ptr, table_ptr, ws_o, ws_m, ws_l, flag_ptr, kd, rd, sd,
-    stride_qt, stride_qh, stride_rt, stride_rh, stride_tb,
-    num_blocks, block_size, heads, scale, draft, tiles, num_splits,
-    R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
-    PAIRS: gl.constexpr = True,
-):
-    """Program (request x row tile, split): this split's keys for <= 16 rows of an
-    fp8_ds_mla cache; writes split ``split`` of the workspace."""
-    gl.static_assert(gl.num_warps() == 4)
-    gl.static_assert((R == 512) & (BLOCK_N == 64) & (STAGES >= 2) & (STAGES <= 4))
-    e4: gl.constexpr = gl.float8e4nv
-    GW: gl.constexpr = 128  # latent columns per scale
-    N2: gl.constexpr = 2 * BLOCK_M  # hi and lo rows side by side
-    t2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                   instr_shape=[16, N2, 32])
-    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_M, 32])
-    tr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                   instr_shape=[16, BLOCK_M, 16])
-    per_row: gl.constexpr = gl.SliceLayout(0, t_l)
-    per_key: gl.constexpr = gl.SliceLayout(1, t_l)
-    # the [64 keys, 4] scales with each thread holding the 4 of the keys it owns in t_l
-    # (keys 16w + l/4 and + 8): one 16-byte shared load a key, per-key vectors for free
-    sc_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    v_l: gl.constexpr = gl.BlockedLayout([2, 16], [32, 1], [1, 4], [1, 0])
-
-    b, tile, split, q_start, q_len, seq_len = _request_tile(qsl_ptr, lens_ptr, tiles)
-    if tile * BLOCK_M >= q_len * heads:
-        return
-
-    # [n, rows, cols] buffers indexed by a value the compiler cannot fold (``wi``), so that
-    # ptxas keeps the wgmma descriptors in the key loop instead of hoisting them
-    q2_smem = gl.allocate_shared_memory(e4, [1, N2, R],
-                                        gl.NVMMASharedLayout.get_default_for([N2, R], e4))
-    qr_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [1, BLOCK_M, P],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, P], gl.bfloat16))
-    kv_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, R], kd.layout)
-    kr_smem = gl.allocate_shared_memory(rd.dtype, [STAGES, BLOCK_N, P], rd.layout)
-    ks_smem = gl.allocate_shared_memory(sd.dtype, [STAGES, BLOCK_N, 4], sd.layout)
-    # per group: V_g^T [128, 64] and P_g hi + lo [32, 64], each its own allocation (stores
-    # to one allocation's parts get a barrier between them: the compiler's hazard analysis
-    # does not tell them apart)
-    vt_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GW, BLOCK_N], e4)
-    vt_0 = gl.allocate_shared_memory(e4, [1, GW, BLOCK_N], vt_lay)
-    vt_1 = gl.allocate_shared_memory(e4, [1, GW, BLOCK_N], vt_lay)
-    vt_2 = gl.allocate_shared_memory(e4, [1, GW, BLOCK_N], vt_lay)
-    vt_3 = gl.allocate_shared_memory(e4, [1, GW, BLOCK_N], vt_lay)
-    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4)
-    p2_0 = gl.allocate_shared_memory(e4, [1, N2, BLOCK_N], p_lay)
-    p2_1 = gl.allocate_shared_memory(e4, [1, N2, BLOCK_N], p_lay)
-    p2_2 = gl.allocate_shared_memory(e4, [1, N2, BLOCK_N], p_lay)
-    p2_3 = gl.allocate_shared_memory(e4, [1, N2, BLOCK_N], p_lay)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-
-    # the queries: latent as e4m3 hi + lo (rows [0, 16) and [16, 32)), rope as bf16
-    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
-    tq = (q_start + mq // heads).to(gl.int64)
-    qmask = (mq // heads < q_len)[:, None]
-    x = gl.load(ql_ptr + tq[:, None] * stride_qt + (mq % heads)[:, None] * stride_qh
-                + gl.arange(0, R, layout=gl.SliceLayout(0, q_l))[None, :],
-                mask=qmask, other=0.0).to(gl.float32)
-    y = gl.load(qr_ptr + tq[:, None] * stride_rt + (mq % heads)[:, None] * stride_rh
-                + gl.arange(0, P, layout=gl.SliceLayout(0, q_l))[None, :],
-                mask=qmask, other=0.0)
-    amax = gl.max(gl.abs(x), 1)
-    sq = gl.where(amax > 0, amax / 448.0, 1.0)
-    x = x / sq[:, None]
-    xh = x.to(e4)
-    q2_smem.index(0).slice(0, BLOCK_M, dim=0).store(xh)
-    q2_smem.index(0).slice(BLOCK_M, BLOCK_M, dim=0).store((x - xh.to(gl.float32)).to(e4))
-    qr_smem.index(0).store(y.to(gl.bfloat16))
-    fence_async_shared()  # the queries' stores and the barriers' init, before async readers
-    gl.thread_barrier()
-
-    s0 = gl.zeros([BLOCK_N, N2], gl.float32, layout=t2_l)
-    r0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tr_l)
-    o0 = gl.zeros([GW, N2], gl.float32, layout=t2_l)
-    l_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_l)
-    acc0 = _half_sum(o0)  # output columns [128 g, 128 g + 128) per group, [128, rows]
-    acc1 = acc0
-    acc2 = acc0
-    acc3 = acc0
-    o_l: gl.constexpr = acc0.type.layout
-    qk_scale = scale * 1.4426950408889634
-    row_scale = gl.convert_layout(sq, per_row) * qk_scale
-
-    m_r = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=per_row)
-    hi = _extents(m_r // heads, q_len, seq_len, draft, CAUSAL, HAS_DRAFT)
-    s_lo, n_tiles = _split_tiles(hi, split, num_splits, BLOCK_N)
-    table_row = table_ptr + b.to(gl.int64) * stride_tb
-    pa = _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo, n_tiles,
-                       0, block_size, num_blocks, BLOCK_N)
-    pb = _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo, n_tiles,
-                       1, block_size, num_blocks, BLOCK_N)
-    pc = pb
-    pd = pb
-    if STAGES > 2:
-        pc = _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo,
-                           n_tiles, 2, block_size, num_blocks, BLOCK_N)
-    if STAGES > 3:
-        pd = _ring_page_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, table_row, s_lo,
-                           n_tiles, 3, block_size, num_blocks, BLOCK_N)
-
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
-    kn = gl.arange(0, BLOCK_N, layout=per_key)
-    kt = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_l))
-    kc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sc_l))
-    sel = gl.arange(0, 4, layout=gl.SliceLayout(0, sc_l))
-    for it in range(n_tiles):
-        stage = it % STAGES
-        n0 = s_lo + it * BLOCK_N
-        wi = it // (n_tiles + 1)  # always 0
-        page = pa
-        refill = it + STAGES < n_tiles
-        page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size, mask=refill,
-                            other=0)
-        bad = _flag_bad(page, num_blocks, flag_ptr)
-        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
-        kv = kv_smem.index(stage)
-        q2 = q2_smem.index(wi)
-        a0 = warpgroup_mma(kv.slice(0, GW, dim=1), q2.slice(0, GW, dim=1).permute((1, 0)),
-                           s0, use_acc=False, is_async=True)
-        a1 = warpgroup_mma(kv.slice(GW, GW, dim=1), q2.slice(GW, GW, dim=1).permute((1, 0)),
-                           s0, use_acc=False, is_async=True)
-        a2 = warpgroup_mma(kv.slice(2 * GW, GW, dim=1),
-                           q2.slice(2 * GW, GW, dim=1).permute((1, 0)), s0, use_acc=False,
-                           is_async=True)
-        a3 = warpgroup_mma(kv.slice(3 * GW, GW, dim=1),
-                           q2.slice(3 * GW, GW, dim=1).permute((1, 0)), s0, use_acc=False,
-                           is_async=True)
-        r = warpgroup_mma(kr_smem.index(stage), qr_smem.index(wi).permute((1, 0)), r0,
-                          use_acc=False, is_async=True)
-        # under the MMAs: the latent transposed (V^T per group) and the scales read
-        vt0 = vt_0.index(wi)
-        vt1 = vt_1.index(wi)
-        vt2 = vt_2.index(wi)
-        vt3 = vt_3.index(wi)
-        if (n0 + BLOCK_N > seq_len) | bad:  # the sequence's last, partly written tile
-            keep = (n0 + kt < seq_len) & (bad == 0)
-            _transpose_group(kv, vt0, 0, keep, True, False, v_l)
-            _transpose_group(kv, vt1, 1, keep, True, False, v_l)
-            _transpose_group(kv, vt2, 2, keep, True, False, v_l)
-            _transpose_group(kv, vt3, 3, keep, True, False, v_l)
-        else:
-            _transpose_group(kv, vt0, 0, kt, False, PAIRS, v_l)
-            _transpose_group(kv, vt1, 1, kt, False, PAIRS, v_l)
-            _transpose_group(kv, vt2, 2, kt, False, PAIRS, v_l)
-            _transpose_group(kv, vt3, 3, kt, False, PAIRS, v_l)
-        sc = ks_smem.index(stage).load(sc_l)
-        # selected, not multiplied: unwritten slots' scales may be NaN
-        sc = gl.where(((n0 + kc < seq_len) & (bad == 0))[:, None], sc, 0.0)
-        smax = gl.max(sc, 0)  # the tile's largest scale per group
-        fac = sc * gl.where(smax > 0, 1.0 / smax, 0.0)[None, :]
-        a0, a1, a2, a3, r = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3, r])
-        gl.thread_barrier()  # every warp's reads of the slot are over: refill it now
-        _issue_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, page_next,
-                  n0 + STAGES * BLOCK_N, stage, block_size, num_blocks, refill)
-        s = gl.convert_layout(_half_sum(a0), t_l) * _group(sc, sel, 0, per_key)[:, None]
-        s += gl.convert_layout(_half_sum(a1), t_l) * _group(sc, sel, 1, per_key)[:, None]
-        s += gl.convert_layout(_half_sum(a2), t_l) * _group(sc, sel, 2, per_key)[:, None]
-        s += gl.convert_layout(_half_sum(a3), t_l) * _group(sc, sel, 3, per_key)[:, None]
-        s = s * row_scale[None, :] + gl.convert_layout(r, t_l) * qk_scale
-        seen = ((n0 + kn)[:, None] < hi[None, :]) & (bad == 0)
-        s = gl.where(seen, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        # probabilities x 256 (see mla_gluon_e4m3), per group x s_g / max_g <= 256
-        p = gl.exp2(s - m_use[None, :]) * 256.0
-        alpha = gl.exp2(m_i - m_use)
-        m_i = m_new
-        l_acc = l_acc * alpha[None, :] + p
-        pt0 = p2_0.index(wi)
-        pt1 = p2_1.index(wi)
-        pt2 = p2_2.index(wi)
-        pt3 = p2_3.index(wi)
-        _store_p(p, _group(fac, sel, 0, per_key), pt0, BLOCK_M)
-        _store_p(p, _group(fac, sel, 1, per_key), pt1, BLOCK_M)
-        _store_p(p, _group(fac, sel, 2, per_key), pt2, BLOCK_M)
-        _store_p(p, _group(fac, sel, 3, per_key), pt3, BLOCK_M)
-        fence_async_shared()
-        gl.thread_barrier()  # V^T and P stored by every warp
-        o_0 = warpgroup_mma(vt0, pt0.permute((1, 0)), o0, use_acc=False, is_async=True)
-        o_1 = warpgroup_mma(vt1, pt1.permute((1, 0)), o0, use_acc=False, is_async=True)
-        o_2 = warpgroup_mma(vt2, pt2.permute((1, 0)), o0, use_acc=False, is_async=True)
-        o_3 = warpgroup_mma(vt3, pt3.permute((1, 0)), o0, use_acc=False, is_async=True)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))
-        o_0 = warpgroup_mma_wait(3, deps=[o_0])
-        acc0 = acc0 * alpha_o[None, :] + _half_sum(o_0) * _pick(smax, sel, 0)
-        o_1 = warpgroup_mma_wait(2, deps=[o_1])
-        acc1 = acc1 * alpha_o[None, :] + _half_sum(o_1) * _pick(smax, sel, 1)
-        o_2 = warpgroup_mma_wait(1, deps=[o_2])
-        acc2 = acc2 * alpha_o[None, :] + _half_sum(o_2) * _pick(smax, sel, 2)
-        o_3 = warpgroup_mma_wait(0, deps=[o_3])
-        acc3 = acc3 * alpha_o[None, :] + _half_sum(o_3) * _pick(smax, sel, 3)
-        gl.thread_barrier()  # every warp done with V^T and P before they are rewritten
-        pa = pb
-        if STAGES == 2:
-            pb = page_next
-        elif STAGES == 3:
-            pb = pc
-            pc = page_next
-        else:
-            pb = pc
-            pc = pd
-            pd = page_next
-
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-    base = _ws_rows(m_r, q_start, heads, num_splits, split)
-    rmask = m_r // heads < q_len
-    gl.store(ws_m + base, m_i, mask=rmask)
-    gl.store(ws_l + base, gl.sum(l_acc, 0) * (1.0 / 256.0), mask=rmask)
-    m_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_l))
-    out = ws_o + _ws_rows(m_o, q_start, heads, num_splits, split)[None, :] * R \
-        + latent_dim(gl.arange(0, GW, layout=gl.SliceLayout(1, o_l)))[:, None]
-    omask = (m_o // heads < q_len)[None, :]
-    gl.store(out, acc0 * (1.0 / 256.0), mask=omask)
-    gl.store(out + GW, acc1 * (1.0 / 256.0), mask=omask)
-    gl.store(out + 2 * GW, acc2 * (1.0 / 256.0), mask=omask)
-    gl.store(out + 3 * GW, acc3 * (1.0 / 256.0), mask=omask)
-
-
-@gluon.jit
 def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             HAS_DRAFT: gl.constexpr):
-    """MMA warpgroup G of ``_mla_gluon_ds_ws``: the split's tiles u = G mod 2, each as a
-    tile of ``_mla_gluon_ds`` (group scores, softmax, P per group; V^T pair G ready: the
+    """MMA warpgroup G of ``_mla_gluon_ds_ws``: the split's tiles u = G mod 2, each with its
+    own running state (group scores, softmax, P per group; once V^T pair G is ready, the
     slot's refill, then the groups' value MMAs one at a time), written as workspace split
     2 split + G."""
     (q2_smem, qr_smem, kv_smem, kr_smem, ks_smem, vt_smem, p2_smem, rs_smem, bars, vt_ready,
@@ -558,9 +291,9 @@ def _mla_gluon_ds_ws(
     R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DRAFT: gl.constexpr,
 ):
-    """``_mla_gluon_ds`` warp-specialized as ``mla_gluon_e4m3._mla_gluon_e4m3``: the
-    kernel's own warpgroup transposes (that kernel's ``_transposer``), two MMA warpgroups
-    take alternate tiles; workspace splits 2 split and 2 split + 1."""
+    """Program (request x row tile, split): this split's keys for <= 16 rows of an
+    fp8_ds_mla cache. The kernel's own warpgroup transposes (``mla_gluon_e4m3._transposer``),
+    two MMA warpgroups take alternate tiles; workspace splits 2 split and 2 split + 1."""
     gl.static_assert(gl.num_warps() == 4)
     gl.static_assert((R == 512) & (BLOCK_N == 64) & (STAGES == 2))
     e4: gl.constexpr = gl.float8e4nv
@@ -638,7 +371,7 @@ def _mla_gluon_ds_ws(
         [(_transposer, (t_args, R, BLOCK_N, STAGES)),
          (_ds_mma0, (mma_args, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT)),
          (_ds_mma1, (mma_args, R, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DRAFT))],
-        [4, 4], [WS_MMA_REGS, WS_MMA_REGS])
+        [4, 4], [MMA_REGS, MMA_REGS])
 
 
 def descriptors(cache: torch.Tensor):
@@ -688,8 +421,8 @@ def supported(q_latent, q_rope, cache, mask, rows: int = 1) -> str | None:
 
 def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, mask,
          tiles: int, splits: int):
-    """``mla_gluon.plan`` for an fp8_ds_mla cache: this kernel (its ``STAGES`` and
-    ``PAIRS`` as set now), the same workspace and combine."""
+    """``mla_gluon.plan`` for an fp8_ds_mla cache: this kernel (its ``STAGES`` as set now),
+    the same combine over two workspace splits a program."""
     from pagedkv.launch import Launch
     from pagedkv.ops.triton.combine import combine_launch
     from pagedkv.ops.triton.mla_gluon import Plan
@@ -698,15 +431,10 @@ def plan(ql, qr, cache, query_start_loc, seq_lens, table, out, *, scale: float, 
     num_blocks, block_size = cache.shape[:2]
     rows, heads = ql.shape[:2]
     consts = dict(R=RANK, P=ROPE, BLOCK_M=SWAP_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                  CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, PAIRS=PAIRS,
-                  num_warps=4)
-    fn, ws_splits = _mla_gluon_ds, splits
-    if WS:
-        del consts["PAIRS"]
-        fn, ws_splits = _mla_gluon_ds_ws, 2 * splits
-        consts.update(STAGES=WS_STAGES, maxnreg=MAXNREG)
-    kernel = Launch(fn, (seq_lens.shape[0] * tiles, splits), (
+                  CAUSAL=mask.causal, HAS_DRAFT=mask.draft_block is not None, num_warps=4,
+                  maxnreg=MAXNREG)
+    kernel = Launch(_mla_gluon_ds_ws, (seq_lens.shape[0] * tiles, splits), (
         *descs, ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), table.stride(0),
         num_blocks, block_size, heads, scale, mask.draft_block or 0, tiles, splits), consts)
-    ws_shape = (rows, heads, ws_splits, RANK)
+    ws_shape = (rows, heads, 2 * splits, RANK)
     return Plan(kernel, combine_launch(ws_shape, out, query_start_loc, None), ws_shape, descs)
