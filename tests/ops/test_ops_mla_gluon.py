@@ -106,14 +106,13 @@ def test_e4m3_kernel_compiles_for_sm90_without_spills(mask, stages):
     use = compiled_for_sm90(mask, "fp8", "e4m3", stages)
     assert 0 < use["shared"] <= SHARED_LIMIT, use
     assert use["loop_spills"] <= 4 and use["LOCAL"] == 0, use
-    assert use["ptx"].get("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 32, use
-    assert use["ptx"].get("stmatrix.sync.aligned.m8n8.x4.shared.b16", 0) > 0, use
     wgmma = {k.split(".")[4]: n for k, n in use["ptx"].items() if k.startswith("wgmma")}
     assert wgmma == {"m64n32k32": 68}, use
     assert not [k for k in use["ptx"] if k.startswith("wgmma") and "e4m3.e4m3" not in k], use
     assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
-    assert use["ptx"].get("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 16, use
-    assert use["ptx"].get("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 16, use
+    assert use["ptx"].get("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 32, use
+    # 16 a branch; the compiler may share the branches' last chunk (28 with triton 3.6.0)
+    assert 16 < use["ptx"].get("stmatrix.sync.aligned.m8n8.x4.shared.b16", 0) <= 32, use
     assert use["ptx"].get("setmaxnreg.inc.sync.aligned.u32", 0) > 0, use
 
 

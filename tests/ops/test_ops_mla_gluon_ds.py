@@ -246,21 +246,22 @@ def test_ds_kernel_compiles_for_sm90_without_spills(mask, dtype, stages):
     """The warp-specialized kernel: ring (latent, rope and scale boxes, 2 slots), queries,
     two V^T buffer pairs and each MMA warpgroup's four P_g buffers fit in 227 KB; nothing in
     local memory but what the MMA warpgroups (232 registers, set by ``setmaxnreg``) keep
-    there, at most 4 words a tile in the longest loop (H200: 150 us against the deleted,
-    spill-free one-warpgroup kernel's 195, docs/kernels.md); the latent's MMAs are e4m3,
+    there, at most 6 words a tile in any loop (4 in the causal and full forms; H200: 150 us
+    against the deleted, spill-free one-warpgroup kernel's 195, docs/kernels.md); the latent's MMAs are e4m3,
     m64n32k32 (hi and lo as N = 32): scores 4 groups x 4 k-steps, values 4 groups x 2
     M-tiles x 2 k-steps; the rope's alone bf16 (64 keys x 16 rows over 64 columns: 4
     m64n16k16); all of it in each of the two MMA warpgroups; the copies are TMA; the
-    transpose on the 8 x 8 matrix instructions."""
+    transpose on the 8 x 8 matrix instructions, masked tiles too (4 chunks x 4 loads in
+    each branch)."""
     use = compiled_for_sm90(mask, dtype, stages)
     assert use["ptx"].get("setmaxnreg.dec.sync.aligned.u32", 0) > 0, use  # warp-specialized
     assert 0 < use["shared"] <= SHARED_LIMIT, use
-    assert use["loop_spills"] <= 4 and use["LOCAL"] == 0, use
+    assert use["loop_spills"] <= 6 and use["LOCAL"] == 0, use
     mma = {k: n for k, n in use["ptx"].items() if k.startswith("wgmma")}
     assert mma == {"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3": 64,
                    "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16": 8}, use
     assert sum(n for k, n in use["ptx"].items() if k.startswith("cp.async.bulk.tensor")) > 0, use
-    assert use["ptx"].get("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 16, use
+    assert use["ptx"].get("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 32, use
 
 
 # ---------------------------------------------------------------- dispatch (CPU)

@@ -15,7 +15,7 @@ registers into a K-major buffer.
   lo, one scale per pair: about bf16's 8 significant bits) stacked side by side as one
   operand, so S^T = K [Q_hi Q_lo]^T is one MMA of twice the N (each K tile read once by the
   tensor cores; the hi + lo column halves added in registers, ``gluon_common.half_sum``);
-  while it runs, V -> registers -> V^T as key pairs (``mla_gluon_e4m3._transpose_pairs``;
+  while it runs, V -> registers -> V^T as key pairs (``_transpose_pairs``;
   only a split's last tile or a tile behind a bad block id goes through a masked byte
   shuffle: NaN-filled slots would survive a zero probability); the online softmax; P x 256
   as e4m3 hi + lo (one e4m3 tile alone: 1-2.5% relative error, ``benchmarks/fp8_probs.py``)
@@ -52,7 +52,6 @@ from pagedkv.ops.fp8 import is_fp8
 from pagedkv.ops.triton.gluon_common import e4m3_softmax as _e4m3_softmax
 from pagedkv.ops.triton.gluon_common import extents as _extents
 from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
-from pagedkv.ops.triton.mla_gluon_e4m3 import _transpose_pairs
 
 BLOCK_N, BOX, DIM = 64, 16, 128
 # ring slots: 2 (4 programs per SM) beat 3 (3 per SM) by 15% on the H200 (docs/kernels.md)
@@ -63,6 +62,33 @@ LOADER_REGS = gl.constexpr(40)  # the copy warp's register request (worker_num_r
 # the smallest without spills in the sm_90 compile (64: 4 programs per SM)
 MAXNREG = {8: 64, 16: 128, 32: 128}
 MAX_PAIRS = 32  # (query row, query head) pairs of one KV head per program (the MMA's N)
+
+
+@gluon.jit
+def _pair_keys(a, b):
+    """Each 4 e4m3 of an even key (a) and the next key (b), same 4 columns -> the 4 (even,
+    odd) byte pairs as int16: two byte permutes per 4 pairs (the compiler's own shuffle
+    extracts and re-packs every byte, 3 instructions a pair)."""
+    return gl.inline_asm_elementwise(
+        "prmt.b32 $0, $2, $3, 0x5140;\n\tprmt.b32 $1, $2, $3, 0x7362;", "=r,=r,r,r", [a, b],
+        dtype=gl.int16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _transpose_pairs(kv, vt16, vt16_b, R: gl.constexpr, ROWS: gl.constexpr,
+                     v_l: gl.constexpr):
+    """A landed [64 keys, R] e4m3 tile -> V^T (K-major for the value MMA; its first ``ROWS``
+    rows into ``vt16``, the rest into ``vt16_b``, both the e4m3 buffers seen as [rows, 32]
+    int16), 128 columns at a time through registers (``v_l``: 2 keys x 16 columns a
+    thread), each thread's two adjacent keys joined per column by ``_pair_keys``."""
+    for c in gl.static_range(R // 128):
+        x = kv.slice(c * 128, 128, dim=1).load(v_l)
+        a, b = gl.split(gl.permute(gl.reshape(x, [32, 2, 128]), (0, 2, 1)))
+        h = gl.permute(_pair_keys(a, b), (1, 0))
+        if c * 128 < ROWS:
+            vt16.slice(c * 128, 128, dim=0).store(h)
+        else:
+            vt16_b.slice(c * 128 - ROWS, 128, dim=0).store(h)
 
 
 @gluon.jit

@@ -76,50 +76,6 @@ def _ring_page(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, i: gl.c
 
 
 @gluon.jit
-def _transpose_latent(kv, vt, vt_b, keep, MASK: gl.constexpr, R: gl.constexpr,
-                      ROWS: gl.constexpr, v_l: gl.constexpr):
-    """The latent of a landed [64 keys, R] e4m3 tile -> ``vt`` [R, 64] (K-major for the value
-    MMA; or its first ``ROWS`` rows into ``vt`` and the rest into ``vt_b``), 128 columns at
-    a time through registers (2 keys x 16 columns a thread, byte permutes); with ``MASK``
-    keys not ``keep`` zeroed (per byte: ~4 instructions each, so only for a sequence's last
-    tile or a bad block id)."""
-    for c in gl.static_range(R // 128):
-        x = kv.slice(c * 128, 128, dim=1).load(v_l)
-        if MASK:
-            x = gl.where(keep[:, None], x, gl.zeros_like(x))
-        if c * 128 < ROWS:
-            vt.slice(c * 128, 128, dim=0).store(gl.permute(x, (1, 0)))
-        else:
-            vt_b.slice(c * 128 - ROWS, 128, dim=0).store(gl.permute(x, (1, 0)))
-
-
-@gluon.jit
-def _pair_keys(a, b):
-    """Each 4 e4m3 of an even key (a) and the next key (b), same 4 columns -> the 4 (even,
-    odd) byte pairs as int16: two byte permutes per 4 pairs (the compiler's own shuffle
-    extracts and re-packs every byte, 3 instructions a pair)."""
-    return gl.inline_asm_elementwise(
-        "prmt.b32 $0, $2, $3, 0x5140;\n\tprmt.b32 $1, $2, $3, 0x7362;", "=r,=r,r,r", [a, b],
-        dtype=gl.int16, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _transpose_pairs(kv, vt16, vt16_b, R: gl.constexpr, ROWS: gl.constexpr,
-                     v_l: gl.constexpr):
-    """``_transpose_latent`` without masking, as key pairs: each thread's two adjacent keys
-    joined per column by ``_pair_keys`` and stored as int16 into ``vt16`` / ``vt16_b`` (the
-    e4m3 buffers seen as [rows, 32] int16: the same bytes)."""
-    for c in gl.static_range(R // 128):
-        x = kv.slice(c * 128, 128, dim=1).load(v_l)
-        a, b = gl.split(gl.permute(gl.reshape(x, [32, 2, 128]), (0, 2, 1)))
-        h = gl.permute(_pair_keys(a, b), (1, 0))
-        if c * 128 < ROWS:
-            vt16.slice(c * 128, 128, dim=0).store(h)
-        else:
-            vt16_b.slice(c * 128 - ROWS, 128, dim=0).store(h)
-
-
-@gluon.jit
 def _pair_quads(x):
     """4 int16 (keys k, k + 1 | k + 8, k + 9 of byte columns 2p, 2p + 1, as
     ``_transpose_matrix`` loads them) -> the 4 int16 (key pairs (k, k + 8), (k + 1, k + 9)
