@@ -9,7 +9,8 @@ kernel (``_mla_gluon_ds``, behind ``WS = False``) was deleted (commit 5fc7975, 2
 2.11.0+cu130, triton 3.6.0; ``PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py ds WS=1
 WS=0``, B64 ctx8K h16 q1 page 64, CUDA-graph replays): this kernel 147.8 us, 0.99x the bf16
 Gluon kernel's throughput (146.2 us; relative error 2.8e-2), the one-warpgroup form 194.0
-us (0.75x).
+us (0.75x). With the e4m3 kernel's transpose free of bank conflicts (21:37 UTC, ``...
+mla_fp8_forms.py ds WS=1``, the switch since deleted): 140.2 us against 148.1, 1.06x.
 
 ``_mla_gluon_ds_ws`` is warp-specialized as ``mla_gluon_e4m3._mla_gluon_e4m3``: that
 module's transposing warpgroup (``_transposer``: each tile's latent into V^T buffer pair

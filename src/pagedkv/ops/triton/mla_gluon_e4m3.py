@@ -24,11 +24,14 @@ its own running state, written as two workspace splits that the combine merges l
 others. A tile's ring slot is refilled (TMA, ``STAGES`` slots) by its MMA warpgroup once
 both readers are done with it.
 
-H200 (2026-12-04 19:52 UTC, torch 2.11+cu130, triton 3.6.0; ``PAGEDKV_BENCH_MLA_FAMILIES=
-mla_q1,mla_fp8 PAGEDKV_BENCH_GLUON_VARIANTS= PYTHONPATH=src python3 benchmarks/attention.py
---only mla --quick --graphs --no-mla-sweep --gluon``), B64 ctx8K h16 q1 page 64, CUDA-graph
-replays: 118.4 us against the bf16 Gluon kernel's 159.4 (1.34x its throughput). Deleted
-forms, timed as ``benchmarks/mla_fp8_forms.py`` does (docs/kernels.md "MLA e4m3, warp-spec.."):
+The transpose's matrix instructions are free of bank conflicts by construction (each
+``ldmatrix`` matrix 8 consecutive keys, each ``stmatrix`` matrix 8 consecutive V^T rows), at
+the price of V^T's key and row orders, which P (``gluon_common.key_order``) and the output
+store (``latent_dim``) follow. H200 (2026-12-04 21:37-21:38 UTC, torch 2.11+cu130, triton
+3.6.0; ``PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py e4m3 STAGES=3 STAGES=2``), B64
+ctx8K h16 q1 page 64, CUDA-graph replays: 95.2-95.5 us against the bf16 Gluon kernel's
+149.7-149.9 in the same process (1.57x its throughput); with the conflicted transpose 110.7
+against 145.7 (1.32x, 21:23 UTC). Deleted forms (docs/kernels.md "MLA e4m3, warp-spec.."):
 one warpgroup doing both (1.05-1.07x bf16), one MMA warpgroup beside the transposer
 (1.18-1.25x), key-pair stores instead of the matrix instructions (1.26-1.29x).
 
