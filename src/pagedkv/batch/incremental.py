@@ -31,10 +31,12 @@ from pagedkv.errors import InvalidArgumentError, MetadataError
 from pagedkv.plan.types import Group
 
 _INT32_MAX = 2**31 - 1
-# append_each checks a list of up to this many block ids in Python and writes it as it is (a
-# decode step opens a block in ~1 of block_size rows): check and write of 16 ids 2.7 us
-# against numpy's 4.6, about even at 64, numpy ahead at 128 (this project's CPU, timeit)
-_SMALL_APPEND = 64
+# append_each checks and writes a list of up to this many block ids in Python, one row at a
+# time (a decode step opens a block in ~1 of block_size rows): the whole call for 16 ids
+# 9.1 us against 12.2 through numpy's fancy indexing, 16.1 / 13.8 at 32, 29.7 / 16.8 at 64
+# (timeit, warm; in an engine step, cold, numpy's calls cost more: 6 / 11 us for the write of
+# ~15); 2-core container CPU, 2026-12-04
+_SMALL_APPEND = 32
 # ufunc reductions called directly: the ndarray methods add a Python-level wrapper per call
 _sum, _min, _max, _any = np.add.reduce, np.minimum.reduce, np.maximum.reduce, np.logical_or.reduce
 
@@ -197,18 +199,18 @@ class MetadataBuilder:
         self, req_ids: Sequence[Hashable], block_ids: Mapping[int, Sequence[int] | np.ndarray]
     ) -> None:
         """One new block per request and group for many requests at once (a decode step's
-        page openings): ``block_ids[gid][i]`` is appended to ``req_ids[i]``. Vectorised:
-        what ``append_blocks`` per request costs in Python calls, done in a few numpy ops."""
+        page openings): ``block_ids[gid][i]`` is appended to ``req_ids[i]``. One call for
+        what ``append_blocks`` per request costs in Python calls: a few numpy ops, or for a
+        short list (``_SMALL_APPEND``) a Python loop, cheaper than numpy's fixed costs."""
         if len(set(req_ids)) != len(req_ids):
             raise InvalidArgumentError(f"append_each: a request is named twice in {list(req_ids)}")
-        unknown = [gid for gid in block_ids if gid not in self._tables]
-        if unknown:
+        if not self._tables.keys() >= block_ids.keys():
+            unknown = [gid for gid in block_ids if gid not in self._tables]
             raise InvalidArgumentError(
                 f"append_each: block ids for groups {unknown}, builder has {sorted(self._tables)}"
             )
         try:
-            rows = np.fromiter(map(self._rows.__getitem__, req_ids), dtype=np.intp,
-                               count=len(req_ids))
+            rows = list(map(self._rows.__getitem__, req_ids))
         except KeyError as e:
             raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
         checked = []
@@ -216,10 +218,10 @@ class MetadataBuilder:
             table = self._tables[gid]
             if type(ids) is list and len(ids) <= _SMALL_APPEND:
                 # a decode step's few openings: checked in Python, written from the list
-                if len(ids) != rows.shape[0]:
+                if len(ids) != len(rows):
                     raise InvalidArgumentError(
                         f"append_each: group {gid} has {len(ids)} block ids for "
-                        f"{rows.shape[0]} requests"
+                        f"{len(rows)} requests"
                     )
                 if ids and (max(ids) >= table.limit or min(ids) < 0):
                     i = next(i for i, x in enumerate(ids) if not 0 <= x < table.limit)
@@ -230,10 +232,10 @@ class MetadataBuilder:
                 checked.append((table, ids))
                 continue
             arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-            if arr.shape[0] != rows.shape[0]:
+            if arr.shape[0] != len(rows):
                 raise InvalidArgumentError(
                     f"append_each: group {gid} has {arr.shape[0]} block ids for "
-                    f"{rows.shape[0]} requests"
+                    f"{len(rows)} requests"
                 )
             # one reduction (a negative id reads as huge unsigned); the offending entry is
             # looked for only when there is one
@@ -244,15 +246,28 @@ class MetadataBuilder:
                     f"outside the group's {table.limit} blocks"
                 )
             checked.append((table, arr))
+        at = None
         for table, arr in checked:  # every group checked before any changes
-            cols = table.lens.take(rows)
-            if rows.shape[0]:
+            if type(arr) is list:  # a few: one at a time beats numpy's fancy indexing
+                lens = table.lens
+                col_of = lens.item
+                for row, block in zip(rows, arr):
+                    col = col_of(row)
+                    if col >= table.ids.shape[1]:
+                        table.widen(max(col + 1, 2 * table.ids.shape[1]))
+                    table.ids[row, col] = block
+                    lens[row] = col + 1
+                continue
+            if at is None:
+                at = np.array(rows, dtype=np.intp)
+            cols = table.lens.take(at)
+            if at.shape[0]:
                 widest = int(_max(cols))
                 if widest >= table.ids.shape[1]:
                     table.widen(max(widest + 1, 2 * table.ids.shape[1]))
-            table.ids[rows, cols] = arr
+            table.ids[at, cols] = arr
             cols += 1
-            table.lens[rows] = cols
+            table.lens[at] = cols
 
     def set_blocks(self, req_id: Hashable, block_ids: Mapping[int, Sequence[int]]) -> None:
         """Replace the block lists of the groups named (rollback of lookahead blocks, a
@@ -356,10 +371,13 @@ class MetadataBuilder:
         self._steady = None  # set again only when this step completes
         rows = self._lookup(ids)
         computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
-        new, shortest = self._counts("num_new_tokens", num_new_tokens, n)
-        num_tokens = int(_sum(new))
-        # one token row per request: no per-token index arrays (the decode fast path)
-        decode = num_tokens == n and (n == 0 or shortest == 1)
+        if num_new_tokens is decode_counts(n):  # known to be all ones
+            new, num_tokens, decode = num_new_tokens, n, True
+        else:
+            new, shortest = self._counts("num_new_tokens", num_new_tokens, n)
+            num_tokens = int(_sum(new))
+            # one token row per request: no per-token index arrays (the decode fast path)
+            decode = num_tokens == n and (n == 0 or shortest == 1)
         if num_draft_tokens is None:
             drafts = _repeated(0, n)
         else:
@@ -532,6 +550,16 @@ class MetadataBuilder:
             ScheduledRequest(rid, int(c), int(n), {gid: self.blocks(rid, gid) for gid in self._tables}, d)
             for rid, c, n, d in zip(req_ids, computed, new, drafts, strict=True)
         ]
+
+
+@lru_cache(maxsize=16)
+def decode_counts(n: int) -> np.ndarray:
+    """A read-only int64 array of ``n`` ones, made once per ``n``: a decode step's new
+    counts. :meth:`MetadataBuilder.step` given this very array knows them without a
+    pass (a caller's own array of ones is checked as any other)."""
+    ones = np.ones(n, dtype=np.int64)
+    ones.flags.writeable = False
+    return ones
 
 
 @lru_cache(maxsize=16)
