@@ -63,8 +63,10 @@ def fill_derived(
     indptr[1 : n + 1] = np.add.accumulate(pages)  # (cumsum with an int32 out= is slower)
     nnz = int(indptr[n])
     # seq - (pages - 1) * bs; 0 on an empty row, which a decode step without offset has not
-    if cols is not None:
-        np.add(cols[1], 1, out=last[:n], casting="unsafe")  # the new token's offset + 1
+    if cols is not None:  # the new token's offset + 1 (an assignment casts fastest)
+        part = last[:n]
+        part[:] = cols[1]
+        part += 1
     elif decode and offset == 0:
         tail = pages * -bs
         tail += seq_lens

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from pagedkv.batch.buffers import Layout, StepBuffers
-from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _repeated, _sum
-from pagedkv.batch.metadata import GroupMetadata, StepMetadata
+from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _sum
+from pagedkv.batch.metadata import StepMetadata
 from pagedkv.batch.ondevice import DeltaBuffers, descriptor
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.types import Group
@@ -86,8 +86,6 @@ class PersistentMetadata(MetadataBuilder):
         self._descriptors: dict[object, np.ndarray] = {}
         self._geometry = [(g.block_size, g.position_offset) for g in self.groups]
         self._starts: dict[int, tuple] = {}
-        # (batch rows, shape, each group's fields of a derived step that stay with those)
-        self._fields: tuple | None = None
         self._derived_last = False
         self.derived_steps = 0
 
@@ -206,35 +204,12 @@ class PersistentMetadata(MetadataBuilder):
         self._steady = (entry, rows, held_now)
         self._derived_last = True
         self.derived_steps += 1
-        # each group's fields that stay while the rows and shape do (all but the lengths
-        # and the page list), merged once; the objects are filled through their instance
-        # dicts, as group_metadata does unchecked
-        fixed = self._fields
-        if fixed is None or fixed[0] is not rows or fixed[1] is not entry:
-            step_fields = {
-                "num_reqs": n, "num_tokens": n, "query_start_loc": qsl_dev, "req_ids": ids,
-                "query_lens_host": _repeated(1, n), "num_draft_tokens_host": _repeated(0, n),
-                "query_len_bounds": (1, 1)}
-            fixed = self._fields = (rows, entry, [
-                {**self._constant[g.id], **step_fields, **dev}
-                for g, dev in zip(self.groups, views, strict=True)])
-        out = {}
-        lengths: dict[int, dict] = {}
-        for group, (_, k), (seq, _, _), merged, page_list in zip(
-                self.groups, self._geometry, plans, fixed[2], page_lists, strict=True):
-            host = lengths.get(k)
-            if host is None:
-                host = lengths[k] = {"seq_lens_host": tuple(seq.tolist()),
-                                     "max_seq_len_host": max(longest + 1 - k, 0)}
-            meta = object.__new__(GroupMetadata)
-            fields = meta.__dict__
-            fields.update(merged)
-            fields.update(host)
-            fields["paged_kv_indices"] = page_list
-            out[group.id] = meta
-        step = object.__new__(StepMetadata)
-        step.__dict__["groups"] = out
-        return step
+        lengths: dict[int, dict] = {}  # by position offset
+        for (_, k), (seq, _, _) in zip(self._geometry, plans, strict=True):
+            if k not in lengths:
+                lengths[k] = {"seq_lens_host": tuple(seq.tolist()),
+                              "max_seq_len_host": max(longest + 1 - k, 0)}
+        return self._decode_metadata(ids, n, rows, entry, qsl_dev, views, page_lists, lengths)
 
     def _head(self, entry) -> np.ndarray:
         """The delta's header and descriptors for a step shape (made once per shape)."""
