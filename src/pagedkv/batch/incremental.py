@@ -114,6 +114,8 @@ class MetadataBuilder:
     buffers the builder reuses: valid until its next step.
     """
 
+    _derives = False  # whether a step keeps what a derived step needs (``_steady``)
+
     def __init__(
         self,
         groups: Sequence[Group],
@@ -128,6 +130,7 @@ class MetadataBuilder:
         if rows < 1 or width < 1:
             raise InvalidArgumentError(f"rows ({rows}) and width ({width}) must be >= 1")
         self.groups = tuple(groups)
+        self._no_offset = not any(g.position_offset for g in self.groups)
         self.device = torch.device(device)
         self._tables = {g.id: _Table(g, rows, width) for g in self.groups}
         self._rows: dict[Hashable, int] = {}
@@ -373,7 +376,10 @@ class MetadataBuilder:
         n = len(ids)
         self._steady = None  # set again only when this step completes
         rows = self._lookup(ids)
-        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
+        # a decode step's negative counts show in _plan's check of the pages each row reads,
+        # where every group has no position offset: no reduction for them here
+        lazy = num_new_tokens is decode_counts(n) and self._no_offset
+        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n, not lazy)
         if num_new_tokens is decode_counts(n):  # known to be all ones
             new, num_tokens, decode = num_new_tokens, n, True
         else:
@@ -455,8 +461,9 @@ class MetadataBuilder:
         self._carry = (entry, rows, states)
         # what a step derived on the device next needs (PersistentMetadata's device mode):
         # the shape, the rows, and each table's edits and row lengths the device now holds
-        self._steady = (entry, rows, [(t.edits, p[4]) for t, p in zip(tables, plans, strict=True)]
-                        ) if decode else None
+        if decode and self._derives:
+            self._steady = (entry, rows, [(t.edits, p[4]) for t, p in zip(tables, plans,
+                                                                          strict=True)])
         return self._metadata(ids, n, num_tokens, decode, new, drafts, plans, qsl_dev, views,
                               page_lists, check, rows, entry)
 
@@ -524,14 +531,18 @@ class MetadataBuilder:
         return step
 
     @staticmethod
-    def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> tuple[np.ndarray, int]:
-        """The counts as int64 (no copy when they already are) and their minimum."""
+    def _counts(name: str, values: Sequence[int] | np.ndarray, n: int,
+                bound: bool = True) -> tuple[np.ndarray, int]:
+        """The counts as int64 (no copy when they already are) and their minimum (``bound``
+        False: neither looked for nor checked, -1 returned: the caller checks)."""
         if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
             arr = values
         else:
             arr = np.asarray(values, dtype=np.int64).reshape(-1)
         if arr.shape[0] != n:
             raise InvalidArgumentError(f"{name} has {arr.shape[0]} entries for {n} requests")
+        if not bound:
+            return arr, -1
         least = int(_min(arr)) if n else 0
         if least < 0:
             raise InvalidArgumentError(f"{name} must be >= 0, got {least}")
@@ -555,8 +566,12 @@ class MetadataBuilder:
             seq_lens = np.maximum(total - k, 0) if k else total
             pages = (seq_lens + (bs - 1)) // bs
         lens = table.lens.take(rows)
-        short = lens < pages
+        if cols is not None:  # pages - 1 >= lens, or a negative count (which reads as huge)
+            short = cols[0].view(np.uint64) >= lens.view(np.uint64)
+        else:
+            short = lens < pages
         if _any(short):
+            MetadataBuilder._counts("num_computed_tokens", computed, len(computed))  # (>= 0?)
             i = int(np.argmax(short))
             raise MetadataError(
                 f"group {group.id}: request {req_ids[i]!r} (row {i}) needs {int(pages[i])} "

@@ -83,6 +83,8 @@ class PersistentMetadata(MetadataBuilder):
         self._delta = DeltaBuffers(self.device, self.batch_buckets[-1], len(self.groups),
                                    kernel=derive_kernel, graphs=derive_graphs
                                    ) if derive_on_device else None
+        self._derives = self._delta is not None  # (the full path keeps what it needs)
+        self._sizes: dict[tuple[int, int], tuple[int, int, int]] = {}  # see _shape
         self._descriptors: dict[object, np.ndarray] = {}
         self._geometry = [(g.block_size, g.position_offset) for g in self.groups]
         self._starts: dict[int, tuple] = {}
@@ -123,11 +125,6 @@ class PersistentMetadata(MetadataBuilder):
     ) -> StepMetadata:
         """This step's metadata in the persistent device buffer, padded to its buckets
         (one host-to-device copy); valid until the next step."""
-
-        def shape(num_reqs: int, num_tokens: int) -> tuple[int, int, int]:
-            return (self.bucket(num_reqs, self.batch_buckets, "requests"),
-                    self.bucket(num_tokens, self.token_buckets, "tokens"), self.max_blocks)
-
         if self._delta is not None and self._steady is not None and not (
                 self.checked if checked is None else checked):
             out = self._derived(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens)
@@ -135,7 +132,18 @@ class PersistentMetadata(MetadataBuilder):
                 return out
         self._derived_last = False
         return self._step(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens,
-                          checked, shape)
+                          checked, self._shape)
+
+    def _shape(self, num_reqs: int, num_tokens: int) -> tuple[int, int, int]:
+        """(batch bucket, token bucket, max_blocks) of a step's size, remembered per size."""
+        out = self._sizes.get((num_reqs, num_tokens))
+        if out is None:
+            if len(self._sizes) >= 1024:  # (a long run of odd sizes)
+                self._sizes.clear()
+            out = self._sizes[(num_reqs, num_tokens)] = (
+                self.bucket(num_reqs, self.batch_buckets, "requests"),
+                self.bucket(num_tokens, self.token_buckets, "tokens"), self.max_blocks)
+        return out
 
     def _derived(self, req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens):
         """A steady decode step derived on the device (see the module doc), or None, with

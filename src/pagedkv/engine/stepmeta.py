@@ -195,7 +195,8 @@ class TableSync:
         ones = todo.count(1) == n
         new = decode_counts(n) if ones else np.fromiter(todo, np.int64, n)
         drafts = None  # none: the builder's own zeros, no array to check
-        if any(extra):
+        # (a list's count of zeros: a C loop on identical objects, ~8x faster than any())
+        if (extra.count(0) != n) if type(extra) is list else any(extra):
             drafts = np.fromiter(extra, np.int64, n)
             new = new + drafts
         states = self.mgr.requests
