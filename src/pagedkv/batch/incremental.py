@@ -380,6 +380,11 @@ class MetadataBuilder:
         # where every group has no position offset: no reduction for them here
         lazy = num_new_tokens is decode_counts(n) and self._no_offset
         computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n, not lazy)
+        if lazy and num_draft_tokens is None and not (self.checked if checked is None
+                                                      else checked):
+            out = self._repeat(ids, rows, computed, shape)
+            if out is not None:
+                return out
         if num_new_tokens is decode_counts(n):  # known to be all ones
             new, num_tokens, decode = num_new_tokens, n, True
         else:
@@ -466,6 +471,62 @@ class MetadataBuilder:
                                                                           strict=True)])
         return self._metadata(ids, n, num_tokens, decode, new, drafts, plans, qsl_dev, views,
                               page_lists, check, rows, entry)
+
+    def _repeat(self, ids, rows, computed, shape) -> StepMetadata | None:
+        """An unchecked decode step without drafts (every group without position offset) of
+        the previous step's rows and shape, each table as wide as the step's block tables:
+        what the full path does for it, without its generality (the same functions fill
+        the same arrays; most of a steady step's host time is such Python). None, nothing
+        changed, where that is not so or a row lacks a block (the full path raises)."""
+        carry = self._carry
+        if carry is None or carry[1] is not rows:
+            return None
+        n = len(ids)
+        batch, tokens, width = shape(n, n)
+        entry = self._buffers.shape(batch, tokens, (width,) * len(self.groups))
+        if entry is not carry[0]:
+            return None
+        tables = self._tables.values()
+        split: dict[int, tuple[np.ndarray, ...]] = {}  # block size -> (page, offset, pages)
+        held = []
+        for table in tables:
+            if table.ids.shape[1] != width:
+                return None
+            bs = table.group.block_size
+            cols = split.get(bs)
+            if cols is None:
+                q, r = _divmod(computed, bs)
+                cols = split[bs] = (q, r, q + 1)
+            lens = table.lens.take(rows)
+            # every page the row reads held (a negative count reads as huge)
+            if _any(cols[0].view(np.uint64) >= lens.view(np.uint64)):
+                return None
+            held.append(lens)
+        key = (entry, n, n, True)
+        if not self._buffers.refill(key):  # padding not written for this key: the full path
+            return None
+        hosts = self._buffers.host(entry)[1]
+        previous = self._buffers.previous(entry)
+        total = computed + 1
+        nnz = []
+        states = []
+        for i, (table, host) in enumerate(zip(tables, hosts, strict=True)):
+            q, r, pages = split[table.group.block_size]
+            block_table = host["block_table"]
+            table.ids.take(rows, 0, block_table[:n], "clip")
+            carried = _carry_pages(carry[2][i], table.edits, pages, block_table, host,
+                                   previous[i])
+            nnz.append(fill_derived(host, table.group, total, pages, computed, None, None,
+                                    False, not carried, (q, r)))
+            states.append((table.edits, pages))
+        self._buffers.filled(key)
+        qsl_dev, views, page_lists = self._buffers.send(entry, nnz)
+        self._carry = (entry, rows, states)
+        if self._derives:
+            self._steady = (entry, rows, [(t.edits, lens) for t, lens in zip(tables, held)])
+        lengths = {0: {"seq_lens_host": tuple(total.tolist()),
+                       "max_seq_len_host": int(_max(total, initial=0))}}
+        return self._decode_metadata(ids, n, rows, entry, qsl_dev, views, page_lists, lengths)
 
     def _metadata(self, ids, n, num_tokens, decode, new, drafts, plans, qsl_dev, views,
                   page_lists, check, rows, entry) -> StepMetadata:
