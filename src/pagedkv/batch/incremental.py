@@ -254,14 +254,16 @@ class MetadataBuilder:
             checked.append((table, arr))
         at = None
         for table, arr in checked:  # every group checked before any changes
-            if type(arr) is list:  # a few: one at a time beats numpy's fancy indexing
-                lens = table.lens
-                col_of = lens.item
+            if type(arr) is list:  # a few: one at a time (through memoryviews, which index
+                # ~3x faster than numpy's scalar indexing) beats numpy's fancy indexing
+                lens, ids = memoryview(table.lens), memoryview(table.ids)
+                width = table.ids.shape[1]
                 for row, block in zip(rows, arr):
-                    col = col_of(row)
-                    if col >= table.ids.shape[1]:
-                        table.widen(max(col + 1, 2 * table.ids.shape[1]))
-                    table.ids[row, col] = block
+                    col = lens[row]
+                    if col >= width:
+                        table.widen(max(col + 1, 2 * width))
+                        ids, width = memoryview(table.ids), table.ids.shape[1]
+                    ids[row, col] = block
                     lens[row] = col + 1
                 continue
             if at is None:

@@ -255,6 +255,7 @@ class TableSync:
             # ceil((end + lookahead) / bs) > sent, i.e. end > sent * bs - lookahead (mark)
             cand = (computed >= mark if ends is None else ends > mark).nonzero()[0]
             rids, blocks = single.setdefault(j, ([], []))  # (after the listed rows')
+            marks = memoryview(mark)  # (sets entries ~3x faster than numpy's indexing)
             for r in cand.tolist():
                 if r in dirty:
                     continue
@@ -275,7 +276,7 @@ class TableSync:
                 else:
                     continue
                 rec.lens[j] = m
-                mark[r] = m * bs - look
+                marks[r] = m * bs - look
                 grown.add(r)
             if not rids:
                 del single[j]
