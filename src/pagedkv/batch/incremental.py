@@ -705,31 +705,36 @@ def _carry_pages(state, edits, pages, block_table, host, previous) -> bool:
     n = pages.shape[0]
     if old_edits != edits or n == 0:
         return False
-    indptr = previous["paged_kv_indptr"]
-    hi = int(indptr[n])  # the previous list's length
+    # (memoryviews read single entries ~3x faster than numpy's scalar indexing)
+    indptr = memoryview(previous["paged_kv_indptr"])
+    hi = indptr[n]  # the previous list's length
     if hi < _CARRY_MIN_PAGES:
         return False
     diff = pages - old
-    changed = diff.nonzero()[0]
-    k = changed.shape[0]
-    # few insertions, each of one page (a row that lost pages or gained more: the gather;
-    # the few differences compared in Python cost less than a reduction over the batch)
-    if k * _CARRY_PAGES_PER_INSERT > hi or (k and diff.take(changed).tolist().count(1) != k):
+    changed = diff.nonzero()[0].tolist()
+    k = len(changed)
+    if k * _CARRY_PAGES_PER_INSERT > hi:
         return False
+    if k:  # each a page more (a row that lost pages or gained more: the gather)
+        steps = memoryview(diff)
+        for row in changed:
+            if steps[row] != 1:
+                return False
     dst_arr, src_arr = host["paged_kv_indices"], previous["paged_kv_indices"]
     dst = memoryview(dst_arr)
     src = dst if dst_arr is src_arr else memoryview(src_arr)
     if k:
-        # each changed row's new page (staged table, batch order) goes after its old pages,
-        # at its old end shifted by the insertions before it; from the last row backwards,
-        # so that in place every old entry moves once, before anything overwrites it
-        values = block_table[changed, old.take(changed)].tolist()
-        ends = indptr[1:].take(changed).tolist()
+        # each changed row's new page (staged table: at its old page count) goes after its
+        # old pages, at its old end shifted by the insertions before it; from the last row
+        # backwards, so that in place every old entry moves once, before anything
+        # overwrites it
+        table, counts = memoryview(block_table), memoryview(old)
         shift = k
-        for end, value in zip(reversed(ends), reversed(values), strict=True):
+        for row in reversed(changed):
+            end = indptr[row + 1]
             dst[end + shift : hi + shift] = src[end:hi]
             shift -= 1
-            dst[end + shift] = value
+            dst[end + shift] = table[row, counts[row]]
             hi = end
     if dst_arr is not src_arr:
         dst[:hi] = src[:hi]
