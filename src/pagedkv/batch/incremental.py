@@ -485,6 +485,8 @@ class MetadataBuilder:
             return None
         n = len(ids)
         batch, tokens, width = shape(n, n)
+        if width is None:  # (block tables as wide as the widest row: the full path)
+            return None
         entry = self._buffers.shape(batch, tokens, (width,) * len(self.groups))
         if entry is not carry[0]:
             return None
