@@ -24,6 +24,7 @@ from test_batch_fastpath import (  # noqa: E402
     count_carries,
 )
 from test_batch_incremental import assert_same  # noqa: E402
+from test_batch_ondevice import derived_builder  # noqa: E402
 
 from pagedkv.batch import ScheduledRequest, build_metadata  # noqa: E402
 from pagedkv.batch.incremental import MetadataBuilder, decode_counts  # noqa: E402
@@ -111,20 +112,56 @@ def test_repeated_decode_steps_equal_build_metadata(device, mode, seed):
     assert all(sum(seen[-steady:]) >= steady - 2 for seen in repeats)
 
 
+@pytest.mark.parametrize("emulate", [False, True], ids=["in-place", "emulated"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**32 - 1))
+def test_derived_decode_steps_from_decode_counts_equal_build_metadata(device, emulate, seed):
+    """The same runs through a builder deriving steady decode steps (the numpy reference on
+    the CPU; test_batch_ondevice runs the kernels), given decode_counts: its negative-count
+    check is the page check's, as _repeat's."""
+    if torch.device(device).type != "cpu":
+        pytest.skip("the numpy reference derives on the CPU")
+    run = Run(seed, device, make_groups=plain_groups)
+    pm = derived_builder(run, device, "numpy", emulate)
+    rng = run.rng
+    for _ in range(rng.randint(1, 10)):
+        run.admit()
+    for step in range(16):
+        event = rng.random() if step < 12 else 1.0
+        if event < 0.05 and len(run.order) < 12:
+            run.admit()
+        elif event < 0.1:
+            run.window_free(rng.choice(run.order))
+        mixed = event < 0.25
+        sched = run.schedule(lambda _, mixed=mixed: rng.choice(
+            ["decode", "draft", "prefill"]) if mixed else "decode", {})
+        n = len(sched)
+        decode = all(r.num_new_tokens == 1 and not r.num_draft_tokens for r in sched)
+        new = decode_counts(n) if decode else [r.num_new_tokens for r in sched]
+        got = pm.step(run.order, np.array([r.num_computed_tokens for r in sched]), new,
+                      None if decode else [r.num_draft_tokens for r in sched])
+        assert_same(got, run.padded(sched, device))
+        for r in sched:
+            run.settle(r.req_id, r.num_new_tokens, r.num_draft_tokens)
+    assert pm.derived_steps >= 2  # (at least the steady steps at the end but their first)
+
+
 def built(groups, blocks, computed, **kw):
     """build_metadata of requests "a", "b" with these blocks (group 0) and counts."""
     reqs = [ScheduledRequest(rid, c, 1, {0: b}) for rid, c, b in zip("ab", computed, blocks)]
     return build_metadata(reqs, groups, **kw)
 
 
+@pytest.mark.parametrize("derive", [False, True], ids=["host", "derived"])
 @pytest.mark.parametrize("block_size", [4, 3])
-def test_repeat_raises_what_the_full_path_raises_and_stays_consistent(block_size):
+def test_repeat_raises_what_the_full_path_raises_and_stays_consistent(block_size, derive):
     """A row lacking the block its new token needs and a negative computed count, in a decode
     step of the last step's rows: the full path's errors (the negative count is caught by the
-    page check, not looked for beforehand); the builder's later steps are still right."""
+    page check, not looked for beforehand, by _repeat and by the derived step alike); the
+    builder's later steps are still right."""
     groups = [make_group(0, block_size, num_blocks=50)]
     pm = PersistentMetadata(groups, max_blocks=4, batch_buckets=[2], token_buckets=[2],
-                            device="cpu", derive_on_device=False)
+                            device="cpu", derive_on_device=derive, derive_kernel="numpy")
     seen = count_repeats(pm)
     pm.add("a", {0: [1, 2]})
     pm.add("b", {0: [3]})
@@ -132,12 +169,17 @@ def test_repeat_raises_what_the_full_path_raises_and_stays_consistent(block_size
         assert_same(pm.step(["a", "b"], [c, 0], decode_counts(2)),
                     built(groups, [[1, 2], [3]], [c, 0], pad_batch_to=2, pad_tokens_to=2,
                           max_blocks=4))
-    assert seen == [False, True]
-    with pytest.raises(MetadataError, match=r"request 'a' \(row 0\) needs 3 blocks"):
-        pm.step(["a", "b"], [2 * block_size, 1], decode_counts(2))
+    assert (seen, pm.derived_steps) == (([False], 1) if derive else ([False, True], 0))
+    # (each right after a step of the same rows: the first reaches the fast path's check)
     with pytest.raises(InvalidArgumentError, match="num_computed_tokens must be >= 0, got -1"):
         pm.step(["a", "b"], [block_size, -1], decode_counts(2))
-    assert seen == [False, True, False, False]  # (both then raised by the full path)
+    pm.step(["a", "b"], [block_size + 1, 0], decode_counts(2))
+    with pytest.raises(MetadataError, match=r"request 'a' \(row 0\) needs 3 blocks"):
+        pm.step(["a", "b"], [2 * block_size, 1], decode_counts(2))
+    # the full path raised both; the step between them was _repeat's on the host (the
+    # deriving builder's derived step left no host page lists to carry, and after a failed
+    # step it takes the full path)
+    assert seen[-3:] == [False, not derive, False] and pm.derived_steps == derive
     pm.append_each(["a"], {0: [4]})
     for c in (2 * block_size, 2 * block_size + 1):
         assert_same(pm.step(["a", "b"], [c, 1], decode_counts(2)),

@@ -664,8 +664,10 @@ class MetadataBuilder:
 
 
 def _divmod(values: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
-    """``np.divmod(values, d)`` of non-negative int64 values: a shift and a mask where ``d``
-    is a power of two (2.3 us for np.divmod of 256 values, 0.9 + 0.9 for these)."""
+    """``np.divmod(values, d)`` of int64 values: a shift and a mask where ``d`` is a power
+    of two (2.3 us for np.divmod of 256 values, 0.9 + 0.9 for these, timeit, this project's
+    2-core container CPU, 2026-12-04; a negative value's quotient stays negative, floored,
+    as np.divmod's)."""
     if d & (d - 1):
         return np.divmod(values, d)
     return values >> (d.bit_length() - 1), values & (d - 1)

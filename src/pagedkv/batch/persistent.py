@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pagedkv.batch.buffers import Layout, StepBuffers
-from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _sum
+from pagedkv.batch.incremental import MetadataBuilder, _any, _divmod, _max, _sum, decode_counts
 from pagedkv.batch.metadata import StepMetadata
 from pagedkv.batch.ondevice import DeltaBuffers, descriptor
 from pagedkv.errors import InvalidArgumentError
@@ -154,10 +154,15 @@ class PersistentMetadata(MetadataBuilder):
         if self._lookup(ids) is not rows:  # not the previous step's rows (nor its shape)
             return None
         n = len(ids)
-        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
-        new, least = self._counts("num_new_tokens", num_new_tokens, n)
-        if least != 1 or int(_max(new)) != 1:
-            return None
+        ones = num_new_tokens is decode_counts(n)  # (known: no pass over them)
+        # without position offsets a negative count shows in the page check below (read as
+        # unsigned): no reduction for it here
+        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n,
+                                   not (ones and self._no_offset))
+        if not ones:
+            new, least = self._counts("num_new_tokens", num_new_tokens, n)
+            if least != 1 or int(_max(new)) != 1:
+                return None
         if num_draft_tokens is not None:
             drafts, _ = self._counts("num_draft_tokens", num_draft_tokens, n)
             if int(_max(drafts)):
@@ -182,12 +187,14 @@ class PersistentMetadata(MetadataBuilder):
                     pages //= bs
                     count = counts[(k, bs)] = (pages, int(_sum(pages)))
                 else:  # seq = computed + 1 >= 1: pages = computed // bs + 1
-                    last = computed // bs
+                    last = _divmod(computed, bs)[0]
                     count = counts[(k, bs)] = (last, int(_sum(last)) + n)
             lens = table.lens.take(rows)
-            # every page held (pages - 1 < lens without offset); at most one block more than
-            # the device holds (a shrunk row, which needs an edit, would read huge)
-            short = count[0] >= lens if not k else count[0] > lens
+            # every page held (pages - 1 < lens without offset, or a negative count, read as
+            # huge); at most one block more than the device holds (a shrunk row, which
+            # needs an edit, would read huge)
+            short = (count[0].view(np.uint64) >= lens.view(np.uint64) if not k
+                     else count[0] > lens)
             if _any(short) or int(_max((lens - old).view(np.uint64))) > 1:
                 return None
             plans.append((seq, count[1], lens))  # per group: seq_lens, nnz, block counts
