@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pagedkv.batch.buffers import Layout, StepBuffers
-from pagedkv.batch.incremental import MetadataBuilder, _any, _divmod, _max, _sum, decode_counts
+from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _sum, decode_counts
 from pagedkv.batch.metadata import StepMetadata
 from pagedkv.batch.ondevice import DeltaBuffers, descriptor
 from pagedkv.errors import InvalidArgumentError
@@ -187,7 +187,7 @@ class PersistentMetadata(MetadataBuilder):
                     pages //= bs
                     count = counts[(k, bs)] = (pages, int(_sum(pages)))
                 else:  # seq = computed + 1 >= 1: pages = computed // bs + 1
-                    last = _divmod(computed, bs)[0]
+                    last = computed // bs
                     count = counts[(k, bs)] = (last, int(_sum(last)) + n)
             lens = table.lens.take(rows)
             # every page held (pages - 1 < lens without offset, or a negative count, read as
