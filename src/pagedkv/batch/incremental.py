@@ -11,6 +11,11 @@ the same single host-to-device copy) from per-step length arrays.
 
 Rows past a request's block count are kept at 0, so a gathered row is already the padded
 block-table row. Block ids are range-checked once, when they enter the table.
+
+A decode step of the previous step's rows and shape, given :func:`decode_counts` (an
+engine's steady step: ``engine/stepmeta.py``), takes ``_repeat``: the same arrays from the
+same functions, without the full path's generality (its Python is most of such a step's
+host time).
 """
 
 from __future__ import annotations

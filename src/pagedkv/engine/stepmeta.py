@@ -30,7 +30,9 @@ no shorter and none past ``ceil((computed + 1) / block_size)``) replace the per-
 checks; anything else there sends the step through them. Window starts are read only for
 groups with a null block (a window's): no other group drops blocks, so its ``first_live``
 stays 0. The counts go to the builder as int64 arrays (which it takes without a copy),
-and no draft counts when there are none. The step's ids and counts come from the
+a decode step's new counts as its shared :func:`~pagedkv.batch.incremental.decode_counts`
+(which its decode paths recognise without a pass), and no draft counts when there are
+none. The step's ids and counts come from the
 scheduler's :class:`~pagedkv.engine.scheduler.Chunks` (made with the chunks; compared
 with them in checked mode) instead of passes over the chunks, where the chunks are one. Instead of ``build_metadata``'s copy of every
 block list, a step costs a few operations per request.
@@ -43,7 +45,9 @@ list since the last step holds the blocks sent, at the same columns, and perhaps
 after them; the step's allocation gave a full-attention or window group
 ``ceil(end / block_size)`` blocks at most (``end``: the chunk's computed + new tokens +
 the engine's ``lookahead``, or the draft rows where more; a cross-attention table never
-grows), so only rows sent shorter than that are read (a decode step's block openings);
+grows), so only rows sent shorter than that are read (a decode step's block openings),
+found by one comparison per group with a mark kept per row (``sent * block_size -
+lookahead``: a decode step's ``computed >= mark``);
 the listed ones are compared entry by entry with the rows the builder holds
 (:meth:`TableSync._resync`: the kept entries above do not cover blocks appended on such
 steps), on every step, whichever path it takes. The per-request path stays for other
