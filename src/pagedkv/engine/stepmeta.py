@@ -202,6 +202,13 @@ class TableSync:
         # (a list's count of zeros: a C loop on identical objects, ~8x faster than any())
         if (extra.count(0) != n) if type(extra) is list else any(extra):
             drafts = np.fromiter(extra, np.int64, n)
+        # what allocation was for, on a tracked step (None: a decode step's computed + 1)
+        ends = None
+        if rows is not None and (not ones or drafts is not None):
+            ends = computed + new
+            if drafts is not None:  # (a lookahead too small would miss their blocks)
+                ends += np.maximum(drafts - self.lookahead, 0)
+        if drafts is not None:
             new = new + drafts
         states = self.mgr.requests
         log = self._log
@@ -209,12 +216,6 @@ class TableSync:
             listed = {req.id for req in log} if log else ()
             log.clear()
             if rows is not None:
-                # what allocation was for (None: computed + 1, a decode step's)
-                ends = None
-                if not ones or drafts is not None:
-                    ends = computed + new
-                    if drafts is not None:  # (a lookahead too small would miss their blocks)
-                        ends += np.maximum(drafts - self.lookahead, 0)
                 single = self._tracked(ids, computed, ends, states, rows, listed)
             else:
                 single = {}
@@ -259,7 +260,7 @@ class TableSync:
             # ceil((end + lookahead) / bs) > sent, i.e. end > sent * bs - lookahead (mark)
             cand = (computed >= mark if ends is None else ends > mark).nonzero()[0]
             rids, blocks = single.setdefault(j, ([], []))  # (after the listed rows')
-            marks = memoryview(mark)  # (sets entries ~3x faster than numpy's indexing)
+            row_marks = memoryview(mark)  # (sets entries ~3x faster than numpy's indexing)
             for r in cand.tolist():
                 if r in dirty:
                     continue
@@ -280,7 +281,7 @@ class TableSync:
                 else:
                     continue
                 rec.lens[j] = m
-                marks[r] = m * bs - look
+                row_marks[r] = m * bs - look
                 grown.add(r)
             if not rids:
                 del single[j]
