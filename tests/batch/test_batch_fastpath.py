@@ -44,9 +44,10 @@ def groups():
 class Run:
     """A toy scheduler + block manager feeding both builders the same bookkeeping."""
 
-    def __init__(self, seed: int, device: torch.device | str = "cpu", emulate: bool = False) -> None:
+    def __init__(self, seed: int, device: torch.device | str = "cpu", emulate: bool = False,
+                 make_groups=groups) -> None:
         self.rng = random.Random(seed)
-        self.groups = groups()
+        self.groups = make_groups()
         self.builders = [
             MetadataBuilder(self.groups, rows=1, width=1, device=device),
             PersistentMetadata(self.groups, max_blocks=WIDTH, batch_buckets=BATCH_BUCKETS,

@@ -129,6 +129,68 @@ def test_random_steps_equal_build_metadata(models, scenario, check, release):
     assert total["hits"] > 0 or kw.get("enable_prefix_caching") is False
 
 
+def wide_run(hf, seed: int, *, spec: int = 0, room: int, steps: int = 70) -> dict:
+    """Random engine steps of up to 16 running requests out of 24 (a cache of about
+    ``room`` tokens per layer: preemption), every step compared with build_metadata; the
+    builder's decode steps of the last step's rows (``_repeat``) counted."""
+    rng = random.Random(seed)
+    eng = Engine(hf, options(max_running=16, max_batched_tokens=64, max_model_len=48,
+                             kv_cache_bytes=budget_for(hf, room), spec_tokens=spec,
+                             debug_nan=False))
+    sched, runner, mgr = eng.scheduler, eng.runner, eng.manager
+    runner.sync.check = False  # the comparison with build_metadata must see a stale row
+    builder = runner.sync.builder
+    repeats: list[bool] = []
+    real = builder._repeat
+
+    def counted(*args):
+        out = real(*args)
+        repeats.append(out is not None)
+        return out
+    builder._repeat = counted
+    vocab = eng.vocab_size
+    for _ in range(24):
+        n = rng.randrange(1, 24)
+        eng.add_request([rng.randrange(vocab) for _ in range(n)], SamplingParams(
+            max_new_tokens=rng.randrange(1, 48 - n), ignore_eos=True))
+    for _ in range(steps):
+        plan = sched.schedule()
+        if not plan.chunks:
+            break
+        mgr.drain_copy_ops()
+        # drafts on about half the speculative steps (a step without any may repeat)
+        draft = rng.random() < 0.5
+        extra = [rng.randint(0, min(c.num_lookahead, c.request.remaining - 1))
+                 if draft and c.num_lookahead and c.samples else 0 for c in plan.chunks]
+        meta, _ = runner.step_metadata(plan.chunks, extra)
+        assert_as_stateless(runner, plan.chunks, extra, meta)
+        sampled = {c.request.rid: [rng.randrange(vocab) for _ in range(1 + rng.randint(0, k))]
+                   for c, k in zip(plan.chunks, extra) if c.samples}
+        sched.update(plan, sampled)
+    return {"repeats": sum(repeats), "preemptions": mgr.preemptions,
+            "tracked": runner.sync.tracked}
+
+
+@pytest.mark.parametrize("scenario", ["llama", "window", "speculative"])
+def test_wider_batches_with_page_lists_carried_equal_build_metadata(models, scenario,
+                                                                    monkeypatch):
+    """Batches of up to 16 with the builder's page lists carried over whenever they can be
+    (its shipped thresholds leave such small lists to the gather): steady decode stretches
+    (the builder's ``_repeat``, the tracked path) between admissions, finishes, preemptions,
+    window moves and draft steps; every step equals build_metadata."""
+    from pagedkv.batch import incremental
+
+    monkeypatch.setattr(incremental, "_CARRY_PAGES_PER_INSERT", 0)
+    monkeypatch.setattr(incremental, "_CARRY_MIN_PAGES", 0)
+    name, spec, room = {"llama": ("llama-3-8b", 0, 200), "window": ("gemma-3-27b", 0, 120),
+                        "speculative": ("llama-3-8b", 2, 200)}[scenario]
+    total = dict.fromkeys(("repeats", "preemptions", "tracked"), 0)
+    for seed in range(3):
+        for k, v in wide_run(models[name], seed, spec=spec, room=room).items():
+            total[k] += v
+    assert total["repeats"] > 20 and total["tracked"] > 20 and total["preemptions"] > 0, total
+
+
 # --- each kind of change through the manager's own calls, then a step of the same requests
 
 def by_hand(hf, **kw):

@@ -63,8 +63,10 @@ def fill_derived(
     indptr[1 : n + 1] = np.add.accumulate(pages)  # (cumsum with an int32 out= is slower)
     nnz = int(indptr[n])
     # seq - (pages - 1) * bs; 0 on an empty row, which a decode step without offset has not
-    if cols is not None:
-        np.add(cols[1], 1, out=last[:n], casting="unsafe")  # the new token's offset + 1
+    if cols is not None:  # the new token's offset + 1 (an assignment casts fastest)
+        part = last[:n]
+        part[:] = cols[1]
+        part += 1
     elif decode and offset == 0:
         tail = pages * -bs
         tail += seq_lens
@@ -92,7 +94,6 @@ def fill_derived(
             arrays["paged_kv_indices"][:nnz] = table[:n, :used][mask]
 
     slots, positions = arrays["slot_mapping"], arrays["positions"]
-    flat = table.reshape(-1)
     if decode:
         m = n
         pos = computed - offset if offset else computed
@@ -106,8 +107,9 @@ def fill_derived(
         positions[m:] = 0
     if m == 0:
         return nnz
+    # (take without an axis reads the table flat)
     if cols is not None:
-        block = flat.take(base + cols[0], mode="clip")
+        block = table.take(base + cols[0], None, None, "clip")
         out = slots[:m]
         np.multiply(block, bs, out=out, dtype=np.int64)
         out += cols[1]
@@ -115,7 +117,7 @@ def fill_derived(
         return nnz
     if offset == 0:  # every row has a position (computed >= 0)
         col = pos // bs
-        block = flat.take(base + col, mode="clip")
+        block = table.take(base + col, None, None, "clip")
         # block * bs + pos % bs == (block - col) * bs + pos
         out = slots[:m]
         np.subtract(block, col, out=out, dtype=np.int64)
@@ -126,7 +128,7 @@ def fill_derived(
     valid = pos >= 0
     safe = np.where(valid, pos, 0)
     block = np.zeros(m, dtype=np.int64)
-    block[valid] = flat.take(base[valid] + safe[valid] // bs, mode="clip")
+    block[valid] = table.take(base[valid] + safe[valid] // bs, None, None, "clip")
     slots[:m] = np.where(valid, block * bs + safe % bs, -1)
     positions[:m] = safe
     return nnz

@@ -11,6 +11,11 @@ the same single host-to-device copy) from per-step length arrays.
 
 Rows past a request's block count are kept at 0, so a gathered row is already the padded
 block-table row. Block ids are range-checked once, when they enter the table.
+
+A decode step of the previous step's rows and shape, given :func:`decode_counts` (an
+engine's steady step: ``engine/stepmeta.py``), takes ``_repeat``: the same arrays from the
+same functions, without the full path's generality (its Python is most of such a step's
+host time).
 """
 
 from __future__ import annotations
@@ -26,15 +31,17 @@ from pagedkv.batch.builder import _check_groups, _padded
 from pagedkv.batch.checked import checked_mode, validate_group_arrays
 from pagedkv.batch.derived import fill_derived, row_starts
 from pagedkv.batch.inputs import ScheduledRequest
-from pagedkv.batch.metadata import StepMetadata, group_metadata
+from pagedkv.batch.metadata import GroupMetadata, StepMetadata, group_metadata
 from pagedkv.errors import InvalidArgumentError, MetadataError
 from pagedkv.plan.types import Group
 
 _INT32_MAX = 2**31 - 1
-# append_each checks a list of up to this many block ids in Python and writes it as it is (a
-# decode step opens a block in ~1 of block_size rows): check and write of 16 ids 2.7 us
-# against numpy's 4.6, about even at 64, numpy ahead at 128 (this project's CPU, timeit)
-_SMALL_APPEND = 64
+# append_each checks and writes a list of up to this many block ids in Python, one row at a
+# time (a decode step opens a block in ~1 of block_size rows): the whole call for 16 ids
+# 9.1 us against 12.2 through numpy's fancy indexing, 16.1 / 13.8 at 32, 29.7 / 16.8 at 64
+# (timeit, warm; in an engine step, cold, numpy's calls cost more: 6 / 11 us for the write of
+# ~15); 2-core container CPU, 2026-12-04
+_SMALL_APPEND = 32
 # ufunc reductions called directly: the ndarray methods add a Python-level wrapper per call
 _sum, _min, _max, _any = np.add.reduce, np.minimum.reduce, np.maximum.reduce, np.logical_or.reduce
 
@@ -112,6 +119,8 @@ class MetadataBuilder:
     buffers the builder reuses: valid until its next step.
     """
 
+    _derives = False  # whether a step keeps what a derived step needs (``_steady``)
+
     def __init__(
         self,
         groups: Sequence[Group],
@@ -126,6 +135,7 @@ class MetadataBuilder:
         if rows < 1 or width < 1:
             raise InvalidArgumentError(f"rows ({rows}) and width ({width}) must be >= 1")
         self.groups = tuple(groups)
+        self._no_offset = not any(g.position_offset for g in self.groups)
         self.device = torch.device(device)
         self._tables = {g.id: _Table(g, rows, width) for g in self.groups}
         self._rows: dict[Hashable, int] = {}
@@ -147,6 +157,9 @@ class MetadataBuilder:
                    "position_offset": g.position_offset, "layer_names": g.layer_names}
             for g in self.groups
         }
+        # (batch rows, shape, each group's fields of an unchecked decode step that stay
+        # with those): see _decode_metadata
+        self._fields: tuple | None = None
 
     @property
     def copy_bytes(self) -> int:
@@ -197,18 +210,18 @@ class MetadataBuilder:
         self, req_ids: Sequence[Hashable], block_ids: Mapping[int, Sequence[int] | np.ndarray]
     ) -> None:
         """One new block per request and group for many requests at once (a decode step's
-        page openings): ``block_ids[gid][i]`` is appended to ``req_ids[i]``. Vectorised:
-        what ``append_blocks`` per request costs in Python calls, done in a few numpy ops."""
+        page openings): ``block_ids[gid][i]`` is appended to ``req_ids[i]``. One call for
+        what ``append_blocks`` per request costs in Python calls: a few numpy ops, or for a
+        short list (``_SMALL_APPEND``) a Python loop, cheaper than numpy's fixed costs."""
         if len(set(req_ids)) != len(req_ids):
             raise InvalidArgumentError(f"append_each: a request is named twice in {list(req_ids)}")
-        unknown = [gid for gid in block_ids if gid not in self._tables]
-        if unknown:
+        if not self._tables.keys() >= block_ids.keys():
+            unknown = [gid for gid in block_ids if gid not in self._tables]
             raise InvalidArgumentError(
                 f"append_each: block ids for groups {unknown}, builder has {sorted(self._tables)}"
             )
         try:
-            rows = np.fromiter(map(self._rows.__getitem__, req_ids), dtype=np.intp,
-                               count=len(req_ids))
+            rows = list(map(self._rows.__getitem__, req_ids))
         except KeyError as e:
             raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
         checked = []
@@ -216,10 +229,10 @@ class MetadataBuilder:
             table = self._tables[gid]
             if type(ids) is list and len(ids) <= _SMALL_APPEND:
                 # a decode step's few openings: checked in Python, written from the list
-                if len(ids) != rows.shape[0]:
+                if len(ids) != len(rows):
                     raise InvalidArgumentError(
                         f"append_each: group {gid} has {len(ids)} block ids for "
-                        f"{rows.shape[0]} requests"
+                        f"{len(rows)} requests"
                     )
                 if ids and (max(ids) >= table.limit or min(ids) < 0):
                     i = next(i for i, x in enumerate(ids) if not 0 <= x < table.limit)
@@ -230,10 +243,10 @@ class MetadataBuilder:
                 checked.append((table, ids))
                 continue
             arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-            if arr.shape[0] != rows.shape[0]:
+            if arr.shape[0] != len(rows):
                 raise InvalidArgumentError(
                     f"append_each: group {gid} has {arr.shape[0]} block ids for "
-                    f"{rows.shape[0]} requests"
+                    f"{len(rows)} requests"
                 )
             # one reduction (a negative id reads as huge unsigned); the offending entry is
             # looked for only when there is one
@@ -244,15 +257,30 @@ class MetadataBuilder:
                     f"outside the group's {table.limit} blocks"
                 )
             checked.append((table, arr))
+        at = None
         for table, arr in checked:  # every group checked before any changes
-            cols = table.lens.take(rows)
-            if rows.shape[0]:
+            if type(arr) is list:  # a few: one at a time (through memoryviews, which index
+                # ~3x faster than numpy's scalar indexing) beats numpy's fancy indexing
+                lens, ids = memoryview(table.lens), memoryview(table.ids)
+                width = table.ids.shape[1]
+                for row, block in zip(rows, arr):
+                    col = lens[row]
+                    if col >= width:
+                        table.widen(max(col + 1, 2 * width))
+                        ids, width = memoryview(table.ids), table.ids.shape[1]
+                    ids[row, col] = block
+                    lens[row] = col + 1
+                continue
+            if at is None:
+                at = np.array(rows, dtype=np.intp)
+            cols = table.lens.take(at)
+            if at.shape[0]:
                 widest = int(_max(cols))
                 if widest >= table.ids.shape[1]:
                     table.widen(max(widest + 1, 2 * table.ids.shape[1]))
-            table.ids[rows, cols] = arr
+            table.ids[at, cols] = arr
             cols += 1
-            table.lens[rows] = cols
+            table.lens[at] = cols
 
     def set_blocks(self, req_id: Hashable, block_ids: Mapping[int, Sequence[int]]) -> None:
         """Replace the block lists of the groups named (rollback of lookahead blocks, a
@@ -355,11 +383,22 @@ class MetadataBuilder:
         n = len(ids)
         self._steady = None  # set again only when this step completes
         rows = self._lookup(ids)
-        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
-        new, shortest = self._counts("num_new_tokens", num_new_tokens, n)
-        num_tokens = int(_sum(new))
-        # one token row per request: no per-token index arrays (the decode fast path)
-        decode = num_tokens == n and (n == 0 or shortest == 1)
+        # a decode step's negative counts show in _plan's check of the pages each row reads,
+        # where every group has no position offset: no reduction for them here
+        lazy = num_new_tokens is decode_counts(n) and self._no_offset
+        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n, not lazy)
+        if lazy and num_draft_tokens is None and not (self.checked if checked is None
+                                                      else checked):
+            out = self._repeat(ids, rows, computed, shape)
+            if out is not None:
+                return out
+        if num_new_tokens is decode_counts(n):  # known to be all ones
+            new, num_tokens, decode = num_new_tokens, n, True
+        else:
+            new, shortest = self._counts("num_new_tokens", num_new_tokens, n)
+            num_tokens = int(_sum(new))
+            # one token row per request: no per-token index arrays (the decode fast path)
+            decode = num_tokens == n and (n == 0 or shortest == 1)
         if num_draft_tokens is None:
             drafts = _repeated(0, n)
         else:
@@ -381,7 +420,7 @@ class MetadataBuilder:
         split: dict[int, tuple[np.ndarray, np.ndarray]] | None = {} if decode else None
         plans = [self._plan(table, rows, total, max_blocks, ids, computed, split)
                  for table in tables]
-        widths = tuple(p[0] for p in plans)
+        widths = tuple([p[0] for p in plans])
         for table, width in zip(tables, widths, strict=True):
             if width > table.ids.shape[1]:
                 table.widen(width)
@@ -434,15 +473,83 @@ class MetadataBuilder:
         self._carry = (entry, rows, states)
         # what a step derived on the device next needs (PersistentMetadata's device mode):
         # the shape, the rows, and each table's edits and row lengths the device now holds
-        self._steady = (entry, rows, [(t.edits, p[4]) for t, p in zip(tables, plans, strict=True)]
-                        ) if decode else None
+        if decode and self._derives:
+            self._steady = (entry, rows, [(t.edits, p[4]) for t, p in zip(tables, plans,
+                                                                          strict=True)])
         return self._metadata(ids, n, num_tokens, decode, new, drafts, plans, qsl_dev, views,
-                              page_lists, check)
+                              page_lists, check, rows, entry)
+
+    def _repeat(self, ids, rows, computed, shape) -> StepMetadata | None:
+        """An unchecked decode step without drafts (every group without position offset) of
+        the previous step's rows and shape, each table as wide as the step's block tables:
+        what the full path does for it, without its generality (the same functions fill
+        the same arrays; most of a steady step's host time is such Python). None, nothing
+        changed, where that is not so or a row lacks a block (the full path raises)."""
+        carry = self._carry
+        if carry is None or carry[1] is not rows:
+            return None
+        n = len(ids)
+        batch, tokens, width = shape(n, n)
+        if width is None:  # (block tables as wide as the widest row: the full path)
+            return None
+        entry = self._buffers.shape(batch, tokens, (width,) * len(self.groups))
+        if entry is not carry[0]:
+            return None
+        tables = self._tables.values()
+        split: dict[int, tuple[np.ndarray, ...]] = {}  # block size -> (page, offset, pages)
+        held = []
+        for table in tables:
+            if table.ids.shape[1] != width:
+                return None
+            bs = table.group.block_size
+            cols = split.get(bs)
+            if cols is None:
+                q, r = _divmod(computed, bs)
+                cols = split[bs] = (q, r, q + 1)
+            lens = table.lens.take(rows)
+            # every page the row reads held (a negative count reads as huge)
+            if _any(cols[0].view(np.uint64) >= lens.view(np.uint64)):
+                return None
+            held.append(lens)
+        key = (entry, n, n, True)
+        if not self._buffers.refill(key):  # padding not written for this key: the full path
+            return None
+        hosts = self._buffers.host(entry)[1]
+        previous = self._buffers.previous(entry)
+        total = computed + 1
+        nnz = []
+        states = []
+        for i, (table, host) in enumerate(zip(tables, hosts, strict=True)):
+            q, r, pages = split[table.group.block_size]
+            block_table = host["block_table"]
+            table.ids.take(rows, 0, block_table[:n], "clip")
+            carried = _carry_pages(carry[2][i], table.edits, pages, block_table, host,
+                                   previous[i])
+            nnz.append(fill_derived(host, table.group, total, pages, computed, None, None,
+                                    False, not carried, (q, r)))
+            states.append((table.edits, pages))
+        self._buffers.filled(key)
+        qsl_dev, views, page_lists = self._buffers.send(entry, nnz)
+        self._carry = (entry, rows, states)
+        if self._derives:
+            self._steady = (entry, rows, [(t.edits, lens) for t, lens in zip(tables, held)])
+        lengths = {0: {"seq_lens_host": tuple(total.tolist()),
+                       "max_seq_len_host": int(_max(total, initial=0))}}
+        return self._decode_metadata(ids, n, rows, entry, qsl_dev, views, page_lists, lengths)
 
     def _metadata(self, ids, n, num_tokens, decode, new, drafts, plans, qsl_dev, views,
-                  page_lists, check) -> StepMetadata:
+                  page_lists, check, rows, entry) -> StepMetadata:
         """The step's StepMetadata from its device views and host lengths."""
         tables = self._tables.values()
+        seq_host: dict[int, dict[str, object]] = {}  # one offset, one set of lengths
+        for table, (_, seq_lens, _, _, _) in zip(tables, plans, strict=True):
+            k = table.group.position_offset
+            if k not in seq_host:
+                seq_host[k] = {"seq_lens_host": tuple(seq_lens.tolist()),
+                               "max_seq_len_host": int(_max(seq_lens, initial=0))}
+        if decode and not check and drafts is _repeated(0, n):
+            return self._decode_metadata(ids, n, rows, entry, qsl_dev, views, page_lists,
+                                         seq_host)
         if decode:  # (an empty step, also "decode": no query, bounds (0, 0))
             query_lens, bounds = _repeated(1, n), ((1, 1) if n else (0, 0))
         else:
@@ -458,33 +565,54 @@ class MetadataBuilder:
             "query_len_bounds": bounds,
         }
         out = {}
-        seq_host: dict[int, dict[str, object]] = {}  # one offset, one set of lengths
-        for table, (_, seq_lens, _, _, _), dev, page_list in zip(tables, plans, views, page_lists,
-                                                            strict=True):
-            group = table.group
-            k = group.position_offset
-            lengths = seq_host.get(k)
-            if lengths is None:
-                lengths = seq_host[k] = {
-                    "seq_lens_host": tuple(seq_lens.tolist()),
-                    "max_seq_len_host": int(_max(seq_lens, initial=0)),
-                }
+        for group, dev, page_list in zip(self.groups, views, page_lists, strict=True):
             out[group.id] = group_metadata(
-                (self._constant[group.id], step_fields, dev, lengths,
+                (self._constant[group.id], step_fields, dev, seq_host[group.position_offset],
                  {"paged_kv_indices": page_list}),
                 checked=check,
             )
         return StepMetadata(out)
 
+    def _decode_metadata(self, ids, n, rows, entry, qsl_dev, views, page_lists,
+                         seq_host) -> StepMetadata:
+        """An unchecked decode step's StepMetadata (no drafts): each group's fields that stay
+        while the batch rows and the step shape do (all but the lengths and the page list)
+        merged once, the objects filled through their instance dicts, as group_metadata
+        does unchecked."""
+        fixed = self._fields
+        if fixed is None or fixed[0] is not rows or fixed[1] is not entry:
+            step_fields = {
+                "num_reqs": n, "num_tokens": n, "query_start_loc": qsl_dev, "req_ids": ids,
+                "query_lens_host": _repeated(1, n), "num_draft_tokens_host": _repeated(0, n),
+                "query_len_bounds": (1, 1) if n else (0, 0)}
+            fixed = self._fields = (rows, entry, [
+                {**self._constant[g.id], **step_fields, **dev}
+                for g, dev in zip(self.groups, views, strict=True)])
+        out = {}
+        for group, merged, page_list in zip(self.groups, fixed[2], page_lists, strict=True):
+            meta = object.__new__(GroupMetadata)
+            fields = meta.__dict__
+            fields.update(merged)
+            fields.update(seq_host[group.position_offset])
+            fields["paged_kv_indices"] = page_list
+            out[group.id] = meta
+        step = object.__new__(StepMetadata)
+        step.__dict__["groups"] = out
+        return step
+
     @staticmethod
-    def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> tuple[np.ndarray, int]:
-        """The counts as int64 (no copy when they already are) and their minimum."""
+    def _counts(name: str, values: Sequence[int] | np.ndarray, n: int,
+                bound: bool = True) -> tuple[np.ndarray, int]:
+        """The counts as int64 (no copy when they already are) and their minimum (``bound``
+        False: neither looked for nor checked, -1 returned: the caller checks)."""
         if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
             arr = values
         else:
             arr = np.asarray(values, dtype=np.int64).reshape(-1)
         if arr.shape[0] != n:
             raise InvalidArgumentError(f"{name} has {arr.shape[0]} entries for {n} requests")
+        if not bound:
+            return arr, -1
         least = int(_min(arr)) if n else 0
         if least < 0:
             raise InvalidArgumentError(f"{name} must be >= 0, got {least}")
@@ -501,15 +629,19 @@ class MetadataBuilder:
         if split is not None and not k:
             cols = split.get(bs)
             if cols is None:
-                cols = split[bs] = np.divmod(computed, bs)
+                cols = split[bs] = _divmod(computed, bs)
             seq_lens = total
             pages = cols[0] + 1  # the new token's position is `computed`: its page is the last
         else:
             seq_lens = np.maximum(total - k, 0) if k else total
             pages = (seq_lens + (bs - 1)) // bs
         lens = table.lens.take(rows)
-        short = lens < pages
+        if cols is not None:  # pages - 1 >= lens, or a negative count (which reads as huge)
+            short = cols[0].view(np.uint64) >= lens.view(np.uint64)
+        else:
+            short = lens < pages
         if _any(short):
+            MetadataBuilder._counts("num_computed_tokens", computed, len(computed))  # (>= 0?)
             i = int(np.argmax(short))
             raise MetadataError(
                 f"group {group.id}: request {req_ids[i]!r} (row {i}) needs {int(pages[i])} "
@@ -519,7 +651,9 @@ class MetadataBuilder:
             width = int(_max(lens, initial=0))
         else:
             width = max_blocks
-            need = int(_max(pages, initial=0))
+            # (a row reads no more blocks than it holds, nor holds more than the table is
+            # wide: nothing to look for in a table no wider than max_blocks)
+            need = int(_max(pages, initial=0)) if table.ids.shape[1] > width else 0
             if width < need:
                 raise InvalidArgumentError(
                     f"group {group.id}: max_blocks={width} but a request reads {need} blocks"
@@ -532,6 +666,26 @@ class MetadataBuilder:
             ScheduledRequest(rid, int(c), int(n), {gid: self.blocks(rid, gid) for gid in self._tables}, d)
             for rid, c, n, d in zip(req_ids, computed, new, drafts, strict=True)
         ]
+
+
+def _divmod(values: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.divmod(values, d)`` of int64 values: a shift and a mask where ``d`` is a power
+    of two (2.3 us for np.divmod of 256 values, 0.9 + 0.9 for these, timeit, this project's
+    2-core container CPU, 2026-12-04; a negative value's quotient stays negative, floored,
+    as np.divmod's)."""
+    if d & (d - 1):
+        return np.divmod(values, d)
+    return values >> (d.bit_length() - 1), values & (d - 1)
+
+
+@lru_cache(maxsize=16)
+def decode_counts(n: int) -> np.ndarray:
+    """A read-only int64 array of ``n`` ones, made once per ``n``: a decode step's new
+    counts. :meth:`MetadataBuilder.step` given this very array knows them without a
+    pass (a caller's own array of ones is checked as any other)."""
+    ones = np.ones(n, dtype=np.int64)
+    ones.flags.writeable = False
+    return ones
 
 
 @lru_cache(maxsize=16)
@@ -560,30 +714,36 @@ def _carry_pages(state, edits, pages, block_table, host, previous) -> bool:
     n = pages.shape[0]
     if old_edits != edits or n == 0:
         return False
-    indptr = previous["paged_kv_indptr"]
-    hi = int(indptr[n])  # the previous list's length
+    # (memoryviews read single entries ~3x faster than numpy's scalar indexing)
+    indptr = memoryview(previous["paged_kv_indptr"])
+    hi = indptr[n]  # the previous list's length
     if hi < _CARRY_MIN_PAGES:
         return False
     diff = pages - old
-    if int(_max(diff.view(np.uint64))) > 1:  # (a negative difference reads as huge)
-        return False
-    changed = np.flatnonzero(diff)
-    k = changed.shape[0]
+    changed = diff.nonzero()[0].tolist()
+    k = len(changed)
     if k * _CARRY_PAGES_PER_INSERT > hi:
         return False
+    if k:  # each a page more (a row that lost pages or gained more: the gather)
+        steps = memoryview(diff)
+        for row in changed:
+            if steps[row] != 1:
+                return False
     dst_arr, src_arr = host["paged_kv_indices"], previous["paged_kv_indices"]
-    dst, src = memoryview(dst_arr), memoryview(src_arr)
+    dst = memoryview(dst_arr)
+    src = dst if dst_arr is src_arr else memoryview(src_arr)
     if k:
-        # each changed row's new page (staged table, batch order) goes after its old pages,
-        # at its old end shifted by the insertions before it; from the last row backwards,
-        # so that in place every old entry moves once, before anything overwrites it
-        values = block_table[changed, old.take(changed)].tolist()
-        ends = indptr.take(changed + 1).tolist()
+        # each changed row's new page (staged table: at its old page count) goes after its
+        # old pages, at its old end shifted by the insertions before it; from the last row
+        # backwards, so that in place every old entry moves once, before anything
+        # overwrites it
+        table, counts = memoryview(block_table), memoryview(old)
         shift = k
-        for end, value in zip(reversed(ends), reversed(values), strict=True):
+        for row in reversed(changed):
+            end = indptr[row + 1]
             dst[end + shift : hi + shift] = src[end:hi]
             shift -= 1
-            dst[end + shift] = value
+            dst[end + shift] = table[row, counts[row]]
             hi = end
     if dst_arr is not src_arr:
         dst[:hi] = src[:hi]

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from pagedkv.batch.buffers import Layout, StepBuffers
-from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _repeated, _sum
-from pagedkv.batch.metadata import GroupMetadata, StepMetadata
+from pagedkv.batch.incremental import MetadataBuilder, _any, _max, _sum, decode_counts
+from pagedkv.batch.metadata import StepMetadata
 from pagedkv.batch.ondevice import DeltaBuffers, descriptor
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.plan.types import Group
@@ -83,11 +83,11 @@ class PersistentMetadata(MetadataBuilder):
         self._delta = DeltaBuffers(self.device, self.batch_buckets[-1], len(self.groups),
                                    kernel=derive_kernel, graphs=derive_graphs
                                    ) if derive_on_device else None
+        self._derives = self._delta is not None  # (the full path keeps what it needs)
+        self._sizes: dict[tuple[int, int], tuple[int, int, int]] = {}  # see _shape
         self._descriptors: dict[object, np.ndarray] = {}
         self._geometry = [(g.block_size, g.position_offset) for g in self.groups]
         self._starts: dict[int, tuple] = {}
-        # (batch rows, shape, each group's fields of a derived step that stay with those)
-        self._fields: tuple | None = None
         self._derived_last = False
         self.derived_steps = 0
 
@@ -125,11 +125,6 @@ class PersistentMetadata(MetadataBuilder):
     ) -> StepMetadata:
         """This step's metadata in the persistent device buffer, padded to its buckets
         (one host-to-device copy); valid until the next step."""
-
-        def shape(num_reqs: int, num_tokens: int) -> tuple[int, int, int]:
-            return (self.bucket(num_reqs, self.batch_buckets, "requests"),
-                    self.bucket(num_tokens, self.token_buckets, "tokens"), self.max_blocks)
-
         if self._delta is not None and self._steady is not None and not (
                 self.checked if checked is None else checked):
             out = self._derived(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens)
@@ -137,7 +132,18 @@ class PersistentMetadata(MetadataBuilder):
                 return out
         self._derived_last = False
         return self._step(req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens,
-                          checked, shape)
+                          checked, self._shape)
+
+    def _shape(self, num_reqs: int, num_tokens: int) -> tuple[int, int, int]:
+        """(batch bucket, token bucket, max_blocks) of a step's size, remembered per size."""
+        out = self._sizes.get((num_reqs, num_tokens))
+        if out is None:
+            if len(self._sizes) >= 1024:  # (a long run of odd sizes)
+                self._sizes.clear()
+            out = self._sizes[(num_reqs, num_tokens)] = (
+                self.bucket(num_reqs, self.batch_buckets, "requests"),
+                self.bucket(num_tokens, self.token_buckets, "tokens"), self.max_blocks)
+        return out
 
     def _derived(self, req_ids, num_computed_tokens, num_new_tokens, num_draft_tokens):
         """A steady decode step derived on the device (see the module doc), or None, with
@@ -148,10 +154,15 @@ class PersistentMetadata(MetadataBuilder):
         if self._lookup(ids) is not rows:  # not the previous step's rows (nor its shape)
             return None
         n = len(ids)
-        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n)
-        new, least = self._counts("num_new_tokens", num_new_tokens, n)
-        if least != 1 or int(_max(new)) != 1:
-            return None
+        ones = num_new_tokens is decode_counts(n)  # (known: no pass over them)
+        # without position offsets a negative count shows in the page check below (read as
+        # unsigned): no reduction for it here
+        computed, _ = self._counts("num_computed_tokens", num_computed_tokens, n,
+                                   not (ones and self._no_offset))
+        if not ones:
+            new, least = self._counts("num_new_tokens", num_new_tokens, n)
+            if least != 1 or int(_max(new)) != 1:
+                return None
         if num_draft_tokens is not None:
             drafts, _ = self._counts("num_draft_tokens", num_draft_tokens, n)
             if int(_max(drafts)):
@@ -179,9 +190,11 @@ class PersistentMetadata(MetadataBuilder):
                     last = computed // bs
                     count = counts[(k, bs)] = (last, int(_sum(last)) + n)
             lens = table.lens.take(rows)
-            # every page held (pages - 1 < lens without offset); at most one block more than
-            # the device holds (a shrunk row, which needs an edit, would read huge)
-            short = count[0] >= lens if not k else count[0] > lens
+            # every page held (pages - 1 < lens without offset, or a negative count, read as
+            # huge); at most one block more than the device holds (a shrunk row, which
+            # needs an edit, would read huge)
+            short = (count[0].view(np.uint64) >= lens.view(np.uint64) if not k
+                     else count[0] > lens)
             if _any(short) or int(_max((lens - old).view(np.uint64))) > 1:
                 return None
             plans.append((seq, count[1], lens))  # per group: seq_lens, nnz, block counts
@@ -206,35 +219,12 @@ class PersistentMetadata(MetadataBuilder):
         self._steady = (entry, rows, held_now)
         self._derived_last = True
         self.derived_steps += 1
-        # each group's fields that stay while the rows and shape do (all but the lengths
-        # and the page list), merged once; the objects are filled through their instance
-        # dicts, as group_metadata does unchecked
-        fixed = self._fields
-        if fixed is None or fixed[0] is not rows or fixed[1] is not entry:
-            step_fields = {
-                "num_reqs": n, "num_tokens": n, "query_start_loc": qsl_dev, "req_ids": ids,
-                "query_lens_host": _repeated(1, n), "num_draft_tokens_host": _repeated(0, n),
-                "query_len_bounds": (1, 1)}
-            fixed = self._fields = (rows, entry, [
-                {**self._constant[g.id], **step_fields, **dev}
-                for g, dev in zip(self.groups, views, strict=True)])
-        out = {}
-        lengths: dict[int, dict] = {}
-        for group, (_, k), (seq, _, _), merged, page_list in zip(
-                self.groups, self._geometry, plans, fixed[2], page_lists, strict=True):
-            host = lengths.get(k)
-            if host is None:
-                host = lengths[k] = {"seq_lens_host": tuple(seq.tolist()),
-                                     "max_seq_len_host": max(longest + 1 - k, 0)}
-            meta = object.__new__(GroupMetadata)
-            fields = meta.__dict__
-            fields.update(merged)
-            fields.update(host)
-            fields["paged_kv_indices"] = page_list
-            out[group.id] = meta
-        step = object.__new__(StepMetadata)
-        step.__dict__["groups"] = out
-        return step
+        lengths: dict[int, dict] = {}  # by position offset
+        for (_, k), (seq, _, _) in zip(self._geometry, plans, strict=True):
+            if k not in lengths:
+                lengths[k] = {"seq_lens_host": tuple(seq.tolist()),
+                              "max_seq_len_host": max(longest + 1 - k, 0)}
+        return self._decode_metadata(ids, n, rows, entry, qsl_dev, views, page_lists, lengths)
 
     def _head(self, entry) -> np.ndarray:
         """The delta's header and descriptors for a step shape (made once per shape)."""
