@@ -41,7 +41,8 @@ steps of persistent / baseline (each step's pair), which a machine slowing down 
 steps moves least.
 
 Usage: python benchmarks/engine_metadata.py [--batches 64,256] [--steps N] [--warmup N]
-       [--max-model-len N] [--breakdown] [--derive-on-device] [--baseline FILE]
+       [--max-model-len N] [--breakdown] [--derive-on-device | --host-steps]
+       [--baseline FILE]
        [--device cpu|cuda]
 """
 
@@ -274,10 +275,14 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", metavar="FILE",
                         help="another engine/stepmeta.py whose TableSync runs on the same "
                              "steps too (see the module doc)")
-    parser.add_argument("--derive-on-device", action="store_true",
+    derive = parser.add_mutually_exclusive_group()
+    derive.add_argument("--derive-on-device", action="store_true",
                         help="the persistent builder derives steady decode steps 'on the "
                              "device' (on CPU: its numpy reference, on the host; on CUDA "
                              "the default, with its copy and launch replayed from graphs)")
+    derive.add_argument("--host-steps", action="store_true",
+                        help="every step built on the host and copied (derive_on_device "
+                             "False; the CPU default, on CUDA to compare with deriving)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="the engine's device (the model never runs)")
     args = parser.parse_args(argv)
@@ -299,7 +304,8 @@ def main(argv=None) -> int:
     for batch in (int(b) for b in args.batches.split(",")):
         prof = cProfile.Profile() if args.profile and args.breakdown else None
         r = run(hf, batch, args.steps, args.warmup, args.max_model_len,
-                args.derive_on_device or None, args.breakdown, baseline, args.device, prof)
+                True if args.derive_on_device else False if args.host_steps else None,
+                args.breakdown, baseline, args.device, prof)
         if r["parts"]:
             breakdowns.append((batch, r["parts"], prof))
         t = r["times"]
