@@ -73,7 +73,15 @@ from pagedkv.ops.triton.mla_gluon import (
     _split_tiles,
     _ws_rows,
 )
-from pagedkv.ops.triton.mla_gluon_e4m3 import MAXNREG, _transposer, latent_dim
+from pagedkv.ops.triton.mla_gluon_e4m3 import (
+    MAXNREG,
+    _transposer,
+    latent_dim,
+    own_tile,
+    own_tiles,
+    query_rows,
+    ws_barriers,
+)
 
 # ring slots of 41 KB (latent 32 KB, rope 8 KB, scales 1 KB); the kernel (its first ring
 # fill, a ``static_assert``) is written for 2
@@ -136,6 +144,15 @@ def _store_p(p, f, dst, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _group_value(vt_g, p_g, o0, acc, alpha, smax_g):
+    """One group's value product V_g^T P_g^T (hi and lo side by side), waited for, added to
+    its accumulator: acc x alpha + (hi + lo) x the group's scale maximum."""
+    o = warpgroup_mma(vt_g, p_g.permute((1, 0)), o0, use_acc=False, is_async=True)
+    o = warpgroup_mma_wait(0, deps=[o])
+    return acc * alpha[None, :] + _half_sum(o) * smax_g
+
+
+@gluon.jit
 def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             HAS_DRAFT: gl.constexpr):
@@ -175,21 +192,11 @@ def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
     kn = gl.arange(0, BLOCK_N, layout=per_key)
     kc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sc_l))
     sel = gl.arange(0, 4, layout=gl.SliceLayout(0, sc_l))
-    n_own = gl.maximum(n_tiles - G + 1, 0) // 2
-    n0 = s_lo + G * BLOCK_N
-    page = gl.load(table_row + n0 // block_size, mask=n_own > 0, other=0)
-    page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size,
-                        mask=G + STAGES < n_tiles, other=0)
+    n_own, page, page_next = own_tiles(G, s_lo, n_tiles, table_row, block_size, STAGES,
+                                       BLOCK_N)
     for j in range(n_own):
-        u = G + 2 * j
-        stage = u % STAGES
-        n0 = s_lo + u * BLOCK_N
-        wi = j // (n_tiles + 1)  # always 0: keeps the MMA descriptors in the loop
-        refill = u + STAGES < n_tiles
-        page_a = gl.load(table_row + (n0 + 2 * BLOCK_N) // block_size, mask=u + 2 < n_tiles,
-                         other=0)
-        page_b = gl.load(table_row + (n0 + (STAGES + 2) * BLOCK_N) // block_size,
-                         mask=u + 2 + STAGES < n_tiles, other=0)
+        u, stage, n0, wi, refill, page_a, page_b = own_tile(G, j, s_lo, n_tiles, table_row,
+                                                            block_size, STAGES, BLOCK_N)
         bad = _flag_bad(page, num_blocks, flag_ptr)
         mbarrier.wait(bars.index(stage), (u // STAGES) & 1)
         kv = kv_smem.index(stage)
@@ -238,22 +245,14 @@ def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))
         va = vt_smem.index(2 * G + wi)  # latent rows [0, 256): groups 0 and 1
         vb = vt_smem.index(2 * G + 1 + wi)
-        o = warpgroup_mma(va.slice(0, GW, dim=0), pt.permute((1, 0)), o0, use_acc=False,
-                          is_async=True)
-        o = warpgroup_mma_wait(0, deps=[o])
-        acc0 = acc0 * alpha_o[None, :] + _half_sum(o) * _pick(smax, sel, 0)
-        o = warpgroup_mma(va.slice(GW, GW, dim=0), p2_smem.index(4 * G + 1 + wi).permute((1, 0)),
-                          o0, use_acc=False, is_async=True)
-        o = warpgroup_mma_wait(0, deps=[o])
-        acc1 = acc1 * alpha_o[None, :] + _half_sum(o) * _pick(smax, sel, 1)
-        o = warpgroup_mma(vb.slice(0, GW, dim=0), p2_smem.index(4 * G + 2 + wi).permute((1, 0)),
-                          o0, use_acc=False, is_async=True)
-        o = warpgroup_mma_wait(0, deps=[o])
-        acc2 = acc2 * alpha_o[None, :] + _half_sum(o) * _pick(smax, sel, 2)
-        o = warpgroup_mma(vb.slice(GW, GW, dim=0), p2_smem.index(4 * G + 3 + wi).permute((1, 0)),
-                          o0, use_acc=False, is_async=True)
-        o = warpgroup_mma_wait(0, deps=[o])
-        acc3 = acc3 * alpha_o[None, :] + _half_sum(o) * _pick(smax, sel, 3)
+        acc0 = _group_value(va.slice(0, GW, dim=0), pt, o0, acc0, alpha_o,
+                            _pick(smax, sel, 0))
+        acc1 = _group_value(va.slice(GW, GW, dim=0), p2_smem.index(4 * G + 1 + wi), o0, acc1,
+                            alpha_o, _pick(smax, sel, 1))
+        acc2 = _group_value(vb.slice(0, GW, dim=0), p2_smem.index(4 * G + 2 + wi), o0, acc2,
+                            alpha_o, _pick(smax, sel, 2))
+        acc3 = _group_value(vb.slice(GW, GW, dim=0), p2_smem.index(4 * G + 3 + wi), o0, acc3,
+                            alpha_o, _pick(smax, sel, 3))
         gl.thread_barrier()  # every warp's value MMAs over: V^T pair G and P are free
         mbarrier.arrive(vt_free.index(G), count=1)
         page = page_a
@@ -321,27 +320,12 @@ def _mla_gluon_ds_ws(
         e4, [8, N2, BLOCK_N], gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4))
     rs_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_l)
-    vt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
-    vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(vt_ready.index(i), count=1)
-        mbarrier.init(vt_free.index(i), count=1)
+    bars, vt_ready, vt_free = ws_barriers(STAGES)
 
     # the queries: latent as e4m3 hi + lo (rows [0, 16) and [16, 32)), rope as bf16; each
     # row's latent score scale for both MMA warpgroups
-    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
-    tq = (q_start + mq // heads).to(gl.int64)
-    qmask = (mq // heads < q_len)[:, None]
-    x = gl.load(ql_ptr + tq[:, None] * stride_qt + (mq % heads)[:, None] * stride_qh
-                + gl.arange(0, R, layout=gl.SliceLayout(0, q_l))[None, :],
-                mask=qmask, other=0.0).to(gl.float32)
-    y = gl.load(qr_ptr + tq[:, None] * stride_rt + (mq % heads)[:, None] * stride_rh
-                + gl.arange(0, P, layout=gl.SliceLayout(0, q_l))[None, :],
-                mask=qmask, other=0.0)
+    x, y = query_rows(ql_ptr, qr_ptr, stride_qt, stride_qh, stride_rt, stride_rh, tile,
+                      q_start, q_len, heads, R, P, BLOCK_M, q_l)
     amax = gl.max(gl.abs(x), 1)
     sq = gl.where(amax > 0, amax / 448.0, 1.0)
     x = x / sq[:, None]

@@ -136,6 +136,71 @@ def _transpose_matrix(kv, vt16, vt16_b, n_keep, MASK: gl.constexpr, R: gl.conste
 
 
 @gluon.jit
+def ws_barriers(STAGES: gl.constexpr):
+    """The warp-specialized MLA fp8 kernels' barriers, initialised: a ring slot's copy
+    landed (``STAGES``), V^T pair t % 2 written (``vt_ready``) and free (``vt_free``)."""
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_l)
+    vt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(vt_ready.index(i), count=1)
+        mbarrier.init(vt_free.index(i), count=1)
+    return bars, vt_ready, vt_free
+
+
+@gluon.jit
+def query_rows(ql_ptr, qr_ptr, stride_qt, stride_qh, stride_rt, stride_rh, tile, q_start,
+               q_len, heads, R: gl.constexpr, P: gl.constexpr, BLOCK_M: gl.constexpr,
+               q_l: gl.constexpr):
+    """This row tile's queries (row m: token m // heads, head m % heads; rows past the
+    request's 0): the latent as float32 [BLOCK_M, R], the rope as stored [BLOCK_M, P]."""
+    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
+    tq = (q_start + mq // heads).to(gl.int64)
+    qmask = (mq // heads < q_len)[:, None]
+    x = gl.load(ql_ptr + tq[:, None] * stride_qt + (mq % heads)[:, None] * stride_qh
+                + gl.arange(0, R, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0).to(gl.float32)
+    y = gl.load(qr_ptr + tq[:, None] * stride_rt + (mq % heads)[:, None] * stride_rh
+                + gl.arange(0, P, layout=gl.SliceLayout(0, q_l))[None, :],
+                mask=qmask, other=0.0)
+    return x, y
+
+
+@gluon.jit
+def own_tiles(G: gl.constexpr, s_lo, n_tiles, table_row, block_size, STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """MMA warpgroup G's share of the split: (its tile count, the block ids of its first
+    tile and of the tile that tile's ring slot takes next)."""
+    n_own = gl.maximum(n_tiles - G + 1, 0) // 2
+    n0 = s_lo + G * BLOCK_N
+    page = gl.load(table_row + n0 // block_size, mask=n_own > 0, other=0)
+    page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size,
+                        mask=G + STAGES < n_tiles, other=0)
+    return n_own, page, page_next
+
+
+@gluon.jit
+def own_tile(G: gl.constexpr, j, s_lo, n_tiles, table_row, block_size, STAGES: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+    """MMA warpgroup G's j-th tile u = G + 2j of the split: (u, its ring slot, first key,
+    ``wi`` (always 0: keeps the MMA descriptors in the loop), whether its slot is refilled,
+    the block ids of its next own tile and of the tile that slot takes after that)."""
+    u = G + 2 * j
+    stage = u % STAGES
+    n0 = s_lo + u * BLOCK_N
+    wi = j // (n_tiles + 1)
+    refill = u + STAGES < n_tiles
+    page_a = gl.load(table_row + (n0 + 2 * BLOCK_N) // block_size, mask=u + 2 < n_tiles,
+                     other=0)
+    page_b = gl.load(table_row + (n0 + (STAGES + 2) * BLOCK_N) // block_size,
+                     mask=u + 2 + STAGES < n_tiles, other=0)
+    return u, stage, n0, wi, refill, page_a, page_b
+
+
+@gluon.jit
 def _ring_fill(kd, rd, kv_smem, kr_smem, bars, table_row, s_lo, n_tiles, block_size,
                num_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, R: gl.constexpr):
     """Every ring slot's first copy."""
@@ -248,22 +313,11 @@ def _mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
     acc1 = acc0
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=per_row)
     kn = gl.arange(0, BLOCK_N, layout=per_key)
-    n_own = gl.maximum(n_tiles - G + 1, 0) // 2
-    # block ids of the own tile and of the tile its ring slot takes next
-    n0 = s_lo + G * BLOCK_N
-    page = gl.load(table_row + n0 // block_size, mask=n_own > 0, other=0)
-    page_next = gl.load(table_row + (n0 + STAGES * BLOCK_N) // block_size,
-                        mask=G + STAGES < n_tiles, other=0)
+    n_own, page, page_next = own_tiles(G, s_lo, n_tiles, table_row, block_size, STAGES,
+                                       BLOCK_N)
     for j in range(n_own):
-        u = G + 2 * j
-        stage = u % STAGES
-        n0 = s_lo + u * BLOCK_N
-        wi = j // (n_tiles + 1)  # always 0: keeps the MMA descriptors in the loop
-        refill = u + STAGES < n_tiles
-        page_a = gl.load(table_row + (n0 + 2 * BLOCK_N) // block_size, mask=u + 2 < n_tiles,
-                         other=0)
-        page_b = gl.load(table_row + (n0 + (STAGES + 2) * BLOCK_N) // block_size,
-                         mask=u + 2 + STAGES < n_tiles, other=0)
+        u, stage, n0, wi, refill, page_a, page_b = own_tile(G, j, s_lo, n_tiles, table_row,
+                                                            block_size, STAGES, BLOCK_N)
         bad = _flag_bad(page, num_blocks, flag_ptr)
         mbarrier.wait(bars.index(stage), (u // STAGES) & 1)
         s2 = warpgroup_mma(kv_smem.index(stage), q2_smem.index(wi).permute((1, 0)), s0,
@@ -338,27 +392,13 @@ def _mla_gluon_e4m3(
         e4, [2, N2, BLOCK_N], gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4))
     rs_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_l)
-    vt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
-    vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(vt_ready.index(i), count=1)
-        mbarrier.init(vt_free.index(i), count=1)
+    bars, vt_ready, vt_free = ws_barriers(STAGES)
 
     # the queries as e4m3 hi + lo, interleaved rows; each row's score scale for both
     # MMA warpgroups
-    mq = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_l))
-    tq = (q_start + mq // heads).to(gl.int64)
-    qmask = (mq // heads < q_len)[:, None]
-    x = gl.load(ql_ptr + tq[:, None] * stride_qt + (mq % heads)[:, None] * stride_qh
-                + gl.arange(0, R, layout=gl.SliceLayout(0, q_l))[None, :],
-                mask=qmask, other=0.0).to(gl.float32)
-    y = gl.load(qr_ptr + tq[:, None] * stride_rt + (mq % heads)[:, None] * stride_rh
-                + gl.arange(0, P, layout=gl.SliceLayout(0, q_l))[None, :],
-                mask=qmask, other=0.0).to(gl.float32)
+    x, y = query_rows(ql_ptr, qr_ptr, stride_qt, stride_qh, stride_rt, stride_rh, tile,
+                      q_start, q_len, heads, R, P, BLOCK_M, q_l)
+    y = y.to(gl.float32)
     amax = gl.maximum(gl.max(gl.abs(x), 1), gl.max(gl.abs(y), 1))
     sq = gl.where(amax > 0, amax / 448.0, 1.0)
     x = x / sq[:, None]
