@@ -28,9 +28,10 @@ class Chunk:
     """One request's share of a step: ``num_new_tokens`` rows from ``num_computed``.
     ``samples``: the rows reach the request's last known token, so it samples;
     ``num_lookahead`` draft positions ride along on a speculative decode. Not frozen, but
-    nothing changes one once made: a frozen dataclass's ``__init__`` cost 4.8x (214 against
-    44 us for 256 chunks, this project's CPU, 2026-12-04), most of a 256-request step's
-    ``schedule``."""
+    nothing changes one once made: a frozen dataclass's ``__init__`` sets every field
+    through ``object.__setattr__``, and making the chunks was most of a 256-request step's
+    ``schedule`` (``benchmarks/engine_metadata.py --breakdown``: 356 -> 178 us with this
+    class, docs/engine.md)."""
 
     request: Request
     num_computed: int
