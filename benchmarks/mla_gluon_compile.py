@@ -93,11 +93,27 @@ def loop_spills(sass: str) -> int:
     return worst
 
 
+def loop_sizes(sass: str, least: int = 150) -> list[list[int]]:
+    """[SASS instructions, warpgroup barriers (BAR)] of each loop body (a conditional
+    backward branch's range) of at least ``least`` instructions, in code order: the key
+    loops of a warp-specialized kernel's partitions, a tile's work each."""
+    code = sass_lines(sass)
+    out = []
+    for addr, ins in code:
+        t = re.match(r"@!?U?P\d\s+BRA\s+(0x[0-9a-f]+)", ins)
+        if t and int(t.group(1), 16) < addr:
+            body = [i for a, i in code if int(t.group(1), 16) <= a <= addr]
+            if len(body) >= least:
+                out.append([len(body), sum(1 for i in body if re.match(r"BAR\.", i))])
+    return out
+
+
 def report(kernel) -> dict:
     out = {"shared": kernel.metadata.shared}
     res, sass = dump(kernel)
     out.update(resources(res))
     out["loop_spills"] = loop_spills(sass)
+    out["loops"] = loop_sizes(sass)
     ptx = kernel.asm["ptx"]
     kinds = (r"(wgmma\.mma_async\.\S+|cp\.async\.bulk\.tensor\.\S+|mbarrier\.try_wait"
              r"|ldmatrix\.\S+|stmatrix\.\S+|setmaxnreg\.\S+)")
