@@ -337,3 +337,53 @@ def test_deepseek_v4_plans_its_window_compressed_streams_and_state(cli):
     assert 46.8 < doc["capacity"]["max_concurrency"] < 47.0
     (vllm,) = [a for a in doc["alternatives"] if a["name"].startswith("vllm")]
     assert any("not modelled" in note for note in vllm["notes"])
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"attn_logit_softcapping": [1, "a"]}, "attn_logit_softcapping"),
+        ({"attn_logit_softcapping": -30.0}, "attn_logit_softcapping"),
+        ({"query_pre_attn_scalar": "256"}, "query_pre_attn_scalar"),
+        ({"query_pre_attn_scalar": float("nan")}, "query_pre_attn_scalar"),
+        ({"num_hidden_layers": 10**12}, "num_hidden_layers"),  # not a MemoryError
+    ],
+)
+def test_malformed_attention_fields_exit_2_in_one_line(tmp_path, cli, extra, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(SMALL, **extra)))
+    code, out, err = cli("plan", str(path), "--memory", "1GiB")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("pagedkv: error:") and needle in line, err
+
+
+@pytest.mark.parametrize(
+    "quant, needle",
+    [
+        ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": 128}, "weight_block_size"),
+        ({"quant_method": "awq", "bits": -4, "group_size": 128}, "bits"),
+        ({"quant_method": "fp8", "ignore": -1}, "ignore"),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+            "targets": 1.5, "weights": {"num_bits": 4, "type": "int"}}}}, "targets"),
+    ],
+)
+def test_malformed_quantization_fails_only_the_weight_estimate(tmp_path, cli, quant, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(SMALL, quantization_config=quant)))
+    assert plan_json(cli, str(path), "--memory", "1GiB")["groups"]  # weights not needed
+    code, out, err = cli("plan", str(path), "--gpu", "h200")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("pagedkv: error:") and needle in line, err
+
+
+def test_library_warnings_are_one_cli_line(tmp_path, cli):
+    quant = {"quant_method": "mystery-8bit"}  # unknown: weights counted in the model dtype
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(SMALL, quantization_config=quant)))
+    code, out, err = cli("plan", str(path), "--gpu", "h200")
+    assert code == 0 and out
+    (line,) = err.strip().splitlines()
+    assert line.startswith("pagedkv: warning: quantization method 'mystery-8bit'"), err

@@ -30,7 +30,7 @@ from pagedkv.kvspec import (
     SlidingWindow,
     parse_dtype,
 )
-from pagedkv.models.fields import first, model_dtype, model_type, need_int
+from pagedkv.models.fields import first, model_dtype, model_type, need_int, opt_positive_float
 from pagedkv.models.pattern import CHUNKED, FULL, SLIDING
 
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_ds_mla")
@@ -139,26 +139,26 @@ def indexer_layout(cfg: Mapping) -> IndexerKV | None:
     return IndexerKV(need_int(cfg, "index_head_dim", why="the indexer cache"))
 
 
-def _scale(cfg: Mapping, scalar: object) -> float | None:
+def _scale(cfg: Mapping, scalar: float | None) -> float | None:
     """Softmax scale from ``query_pre_attn_scalar``; None when it is the default
     1/sqrt(head_dim) (transformers fills scalar = head_dim for some families)."""
-    if not scalar:
+    if scalar is None:
         return None
     if not is_mla(cfg) and scalar == head_dim(cfg):
         return None
-    return float(scalar) ** -0.5
+    return scalar ** -0.5
 
 
 def retention_and_mask(cfg: Mapping, kind: str) -> tuple[Retention, Attention]:
     """Retention and mask of an attention layer of canonical ``kind``."""
-    soft_cap = cfg.get("attn_logit_softcapping")
-    scalar = cfg.get("query_pre_attn_scalar")
+    soft_cap = opt_positive_float(cfg, "attn_logit_softcapping")
+    scalar = opt_positive_float(cfg, "query_pre_attn_scalar")
     sinks = model_type(cfg) in _SINK_MODEL_TYPES or bool(
         cfg.get("add_swa_attention_sink_bias" if kind == SLIDING else "add_full_attention_sink_bias")
     )
     common = {
         "sinks": sinks,
-        "soft_cap": float(soft_cap) if soft_cap else None,
+        "soft_cap": soft_cap,
         "scale": _scale(cfg, scalar),
     }
     if kind == FULL:

@@ -6,6 +6,7 @@ needed it, so a config we cannot read is never silently read as something else.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,14 +69,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def need_int(cfg: Mapping, *keys: str, why: str, minimum: int = 1) -> int:
-    """The first present of ``keys`` as an integer >= ``minimum``; ConfigError naming it if not."""
+def need_int(cfg: Mapping, *keys: str, why: str, minimum: int = 1,
+             maximum: int | None = None) -> int:
+    """The first present of ``keys`` as an integer in [``minimum``, ``maximum``]; ConfigError
+    naming it if not."""
     value = first(cfg, *keys)
     names = " / ".join(repr(k) for k in keys)
     if value is None:
         raise ConfigError(f"config lacks {names} (needed for {why})")
     if not _is_int(value) or value < minimum:
         raise ConfigError(f"config field {names} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"config field {names} must be at most {maximum:,}, got {value!r}")
     return value
 
 
@@ -84,6 +89,21 @@ def opt_int(cfg: Mapping, *keys: str, default: int | None = None, minimum: int =
     if first(cfg, *keys) is None:
         return default
     return need_int(cfg, *keys, why="", minimum=minimum)
+
+
+def opt_positive_float(cfg: Mapping, key: str) -> float | None:
+    """A finite number > 0, or None when absent, null or 0 (how configs say "off");
+    ConfigError for anything else (a string, a list, a negative or NaN value)."""
+    value = cfg.get(key)
+    if value is None or (_is_number(value) and value == 0):
+        return None
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"config field {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def int_list(cfg: Mapping, key: str) -> list[int] | None:

@@ -67,8 +67,13 @@ _UNREAD_MIXER_HINTS = (
 )
 
 
+# far above any published model; a larger count is a broken config, not a plan to make
+MAX_LAYERS = 100_000
+
+
 def num_layers(cfg: Mapping) -> int:
-    return need_int(cfg, "num_hidden_layers", why="the number of decoder layers")
+    return need_int(cfg, "num_hidden_layers", why="the number of decoder layers",
+                    maximum=MAX_LAYERS)
 
 
 def _check_length(cfg: Mapping, kinds: list[str], field: str) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ import re
 import warnings
 from collections.abc import Mapping
 
+from pagedkv.errors import ConfigError
 from pagedkv.models.fields import model_dtype
 
 EMBEDDING, MIXER, DENSE, EXPERTS, OTHER = "embedding", "mixer", "dense", "experts", "other"
@@ -53,8 +54,37 @@ def _matches(pattern: str, name: str) -> bool:
     return name == pattern or name.startswith(pattern + ".") or f".{pattern}." in f".{name}."
 
 
+def _names(where: Mapping, key: str, default: list) -> list:
+    """A list field of module names or targets (``default`` when absent or null)."""
+    value = where.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, list):
+        raise ConfigError(f"quantization_config field {key!r} must be a list, got {value!r}")
+    return value
+
+
+def _block_scale_bytes(block: object, key: str) -> float:
+    """Bytes per parameter of an fp8 scheme with one fp32 scale per ``block`` (rows, cols);
+    a config without a block size has one scale per tensor (~0 per parameter)."""
+    if block is None:
+        return 1.0
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConfigError(
+            f"quantization_config field {key!r} must be two positive integers, got {block!r}")
+    return 1.0 + 4.0 / (block[0] * block[1])
+
+
+def _bits(value: object, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32:
+        raise ConfigError(
+            f"quantization_config field {key!r} must be an integer from 1 to 32, got {value!r}")
+    return value
+
+
 def _excluded_parts(quant: Mapping) -> set[str]:
-    patterns = [p for key in _EXCLUDE_KEYS for p in (quant.get(key) or []) if isinstance(p, str)]
+    patterns = [p for key in _EXCLUDE_KEYS for p in _names(quant, key, []) if isinstance(p, str)]
     return {
         part for part, names in _REPRESENTATIVES.items()
         if any(_matches(p, n) for p in patterns for n in names)
@@ -75,20 +105,20 @@ def _compressed_tensors(quant: Mapping) -> float | None:
         return None
     schemes = [g for g in groups.values() if isinstance(g, Mapping)
                and isinstance(g.get("weights"), Mapping)]
-    linear = [g for g in schemes if "Linear" in (g.get("targets") or ["Linear"])]
+    linear = [g for g in schemes if "Linear" in _names(g, "targets", ["Linear"])]
     chosen = (linear or schemes or [None])[0]
-    if chosen is None or not isinstance(chosen["weights"].get("num_bits"), int):
+    if chosen is None or chosen["weights"].get("num_bits") is None:
         return None
     w = chosen["weights"]
-    bits, group = w["num_bits"], w.get("group_size")
+    bits, group = _bits(w["num_bits"], "num_bits"), w.get("group_size")
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool)):
+        raise ConfigError(f"quantization_config field 'group_size' must be an integer, "
+                          f"got {group!r}")
     fmt = str(chosen.get("format") or quant.get("format") or "")
     if w.get("type") == "float" and bits == 4:  # mxfp4 (uint8 scale / 32) or nvfp4 (fp8 / 16)
         return _group_bits(4, group or (32 if "mx" in fmt else 16), 1.0, False)
     if w.get("type") == "float" and bits == 8:
-        block = w.get("block_structure")
-        if isinstance(block, list) and len(block) == 2:
-            return 1.0 + 4.0 / (block[0] * block[1])
-        return 1.0
+        return _block_scale_bytes(w.get("block_structure"), "block_structure")
     return _group_bits(bits, group, 2.0, w.get("symmetric") is False)
 
 
@@ -96,10 +126,7 @@ def _scheme_bytes(quant: Mapping) -> float | None:
     """Bytes per parameter of the config's quantized linear layers (None: unknown)."""
     method = str(quant.get("quant_method", "")).lower()
     if method in ("fp8", "fbgemm_fp8", "fine_grained_fp8"):
-        block = quant.get("weight_block_size")
-        if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block):
-            return 1.0 + 4.0 / (block[0] * block[1])
-        return 1.0
+        return _block_scale_bytes(quant.get("weight_block_size"), "weight_block_size")
     if method == "mxfp4":
         return _group_bits(4, 32, 1.0, False)
     if method == "modelopt":
@@ -112,13 +139,13 @@ def _scheme_bytes(quant: Mapping) -> float | None:
     if method in ("gptq", "awq", "gptq_marlin", "awq_marlin"):
         bits = quant.get("bits", quant.get("w_bit"))
         group = quant.get("group_size", quant.get("q_group_size", 128))
-        if isinstance(bits, int) and isinstance(group, int):
-            return _group_bits(bits, group if group > 0 else None, 2.0, True)
+        if bits is not None and isinstance(group, int) and not isinstance(group, bool):
+            return _group_bits(_bits(bits, "bits"), group if group > 0 else None, 2.0, True)
         return None
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
-    if isinstance(quant.get("bits"), int):
-        return quant["bits"] / 8
+    if quant.get("bits") is not None:
+        return _bits(quant["bits"], "bits") / 8
     return None
 
 
