@@ -109,3 +109,24 @@ def test_tiny_without_native_code_exits_2(cli):
     res = cli("generate", "--tiny", "jamba-v0.1")
     assert res.code == 2 and res.err.count("\n") == 1
     assert "JambaForCausalLM" in res.err and "no native model code" in res.err
+
+
+def test_16_bit_run_without_verify_reports_no_tolerance(cli):
+    res = cli("generate", "--tiny", "llama-3-8b", "--dtype", "bf16", "--prompts", "2",
+              "--prompt-len", "8", "--max-new-tokens", "2", "--json")
+    report = res.json()
+    assert res.code == 0 and report["dtype"] == "bfloat16"
+    assert report["max_abs_logit_diff"] is None and report["tolerance"] is None
+    assert report["match"] is None and report["tokens_generated"] == 4
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--kv-cache-mib", str(1 << 40)], "the KV cache needs"),  # more than any machine holds
+    (["--max-batched-tokens", str(10**14)], "the KV cache needs"),
+    (["--prompt-len", str(10**14)], "--prompt-len"),  # (was a MemoryError making it)
+])
+def test_impossible_sizes_exit_2_with_one_line(cli, argv, needle):
+    res = cli("generate", "--tiny", "llama-3-8b", "--prompts", "2", "--max-new-tokens", "2",
+              *argv)
+    assert res.code == 2 and res.out == ""
+    assert res.err.count("\n") == 1 and res.err.startswith(f"pagedkv: error: {needle}"), res.err

@@ -9,6 +9,7 @@ output; the other requests finish. :meth:`Engine.add_request` raises those error
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from pagedkv.engine.sampler import sample
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import (
     CheckpointError,
+    DoesNotFitError,
     InvalidArgumentError,
     PagedKVError,
     RequestError,
@@ -33,6 +35,7 @@ from pagedkv.kvspec import LayerSpec
 from pagedkv.kvspec.layout import bytes_per_request, bytes_per_token
 from pagedkv.modeling.base import AttentionBackend, reference_attention
 from pagedkv.plan import PlanOptions, make_plan
+from pagedkv.plan.sizes import format_bytes
 
 GREEDY = SamplingParams()
 AUTO_REQUESTS = 4  # requests of max_model_len the default cache budget holds at once
@@ -119,6 +122,7 @@ class Engine:
         self.plan = make_plan(self.specs, PlanOptions(
             budget_bytes=plan_bytes, max_model_len=self.max_model_len,
             block_size=options.block_size, max_batched_tokens=options.max_batched_tokens))
+        _check_memory(self.plan, self.device, 2 if self.dtype == torch.float32 else 1)
         self.manager = KVCacheManager.from_plan(
             self.plan, enable_caching=options.enable_prefix_caching, checked=options.checked,
             recurrent_checkpoint_every=options.recurrent_checkpoint_every)
@@ -282,6 +286,26 @@ def _folder_generation_config(folder: Path) -> Any:
         return GenerationConfig.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}/generation_config.json cannot be read: {exc}") from None
+
+
+def _check_memory(plan, device: torch.device, scale: int) -> None:  # noqa: ANN001
+    """DoesNotFitError where the plan's pools (x ``scale``: an fp32 engine's cache is twice
+    the planned 16-bit bytes) exceed the device's memory: a budget no machine holds would
+    otherwise fail deep in the block manager or the allocator (MemoryError, no message)."""
+    need = scale * sum(p.nbytes for p in plan.ranks[0].pools)
+    if device.type == "cuda":
+        have, what = torch.cuda.mem_get_info(device)[0], "free on " + str(device)
+    else:
+        try:
+            have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):  # no such query here: nothing to check
+            return
+        what = "this machine's memory"
+    if need > have:
+        raise DoesNotFitError(
+            f"the KV cache needs {need} bytes ({format_bytes(need)}), more than "
+            f"{what} ({format_bytes(have)}): lower the cache budget, max_batched_tokens or "
+            "max_model_len")
 
 
 def _room_for(specs: Sequence[LayerSpec], requests: int, max_model_len: int,
