@@ -211,10 +211,10 @@ class Scheduler:
         """Commit the step: ``sampled[rid]`` are the tokens a sampling request produced
         (one, or accepted drafts plus a bonus token). Returns the requests that finished.
 
-        Most chunks of a decode step sample one token that is no stop token of theirs, at
-        least two positions short of ``max_model_len``: they keep it without
-        :meth:`_kept`, which decides every other case (the common case is most of a step's
-        chunks, and ``_kept``'s copies and loop cost more than its cheap tests)."""
+        Most chunks of a decode step sample one token that stops nothing: a few cheap tests
+        find them and keep it; every other case goes to :meth:`_kept`, the one place that
+        decides stop tokens and length limits (its copies and loop cost more than those
+        tests on each of a step's requests)."""
         mgr = self.mgr
         states = mgr.requests
         eos, limit = self.eos, self.max_model_len
@@ -237,10 +237,13 @@ class Scheduler:
                 mgr.commit(rid, chunk.num_new_tokens)  # a prefill chunk or a recompute
             else:
                 toks = sampled[rid]
+                # one token in no stop set (eos even where ignored: _kept decides that),
+                # two or more positions short of max_model_len: _kept would keep it and
+                # give no reason to stop (max_new_tokens: the common test below)
                 if (batch and len(toks) == 1 and chunk.num_new_tokens == 1
                         and (tok := toks[0]) not in eos and tok not in sp.stop_token_ids
                         and (limit is None or limit - len(states[rid].tokens) > 1)):
-                    batch_ids.append(rid)  # what _kept would decide: keep it, no stop
+                    batch_ids.append(rid)
                     batch_toks.append(tok)
                     output.append(tok)
                     left -= 1
