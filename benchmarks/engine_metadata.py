@@ -73,6 +73,9 @@ from pagedkv.engine.tiny import tiny_model  # noqa: E402
 from pagedkv.kvspec.layout import bytes_per_token  # noqa: E402
 from pagedkv.models import layers_from_config  # noqa: E402
 
+# what --profile profiles, each on its own: name -> the heading of its table
+PROFILED = {"build": "the persistent builds", "schedule": "the scheduler's schedule",
+            "update": "the scheduler's update"}
 ARRAYS = ("block_table", "slot_mapping", "query_start_loc", "seq_lens", "positions",
           "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
@@ -115,7 +118,8 @@ def breakdown(sched, runner, steps: int, base=None, prof=None) -> dict:
     the whole build, the builder's ``step`` and its ``append_each`` calls (the rest is
     TableSync's per-request checks). With ``base``, its build on the same steps too (the
     order alternating): its median and the median of persistent / baseline per step. With
-    ``prof`` (a ``cProfile.Profile``), the persistent builds run under it."""
+    ``prof`` (a ``cProfile.Profile`` per name of ``PROFILED``), the persistent builds and
+    the scheduler's calls run under theirs (outside the timed spans)."""
     builder = runner.sync.builder
     parts = {"build": [], "builder.step": [], "append_each": [], "schedule": [], "update": []}
     other = []
@@ -129,12 +133,18 @@ def breakdown(sched, runner, steps: int, base=None, prof=None) -> dict:
             return out
         return call
 
+    def profile(name, on):
+        if prof is not None:
+            (prof[name].enable if on else prof[name].disable)()
+
     builder.step, builder.append_each = timed("builder.step", step), timed("append_each", append_each)
     try:
         for _ in range(steps):
+            profile("schedule", True)
             t0 = time.perf_counter()
             plan = sched.schedule()
             t1 = time.perf_counter()
+            profile("schedule", False)
             for v in parts.values():
                 v.append(0.0)
             parts["schedule"][-1] = t1 - t0
@@ -143,21 +153,21 @@ def breakdown(sched, runner, steps: int, base=None, prof=None) -> dict:
                 t0 = time.perf_counter()
                 baseline_call(runner, base, plan.chunks, extra)
                 other.append(time.perf_counter() - t0)
-            if prof is not None:
-                prof.enable()
+            profile("build", True)
             t0 = time.perf_counter()
             runner.step_metadata(plan.chunks, extra)
             parts["build"][-1] = time.perf_counter() - t0
-            if prof is not None:
-                prof.disable()
+            profile("build", False)
             if base is not None and len(other) < len(parts["build"]):
                 t0 = time.perf_counter()
                 baseline_call(runner, base, plan.chunks, extra)
                 other.append(time.perf_counter() - t0)
             sampled = {c.request.rid: [1] for c in plan.chunks if c.samples}
+            profile("update", True)
             t0 = time.perf_counter()
             sched.update(plan, sampled)
             parts["update"][-1] = time.perf_counter() - t0
+            profile("update", False)
     finally:
         del builder.step, builder.append_each
     out = {k: statistics.median(v) * 1e6 for k, v in parts.items()}
@@ -167,12 +177,12 @@ def breakdown(sched, runner, steps: int, base=None, prof=None) -> dict:
     return out
 
 
-def print_profile(prof, steps: int, top: int = 18) -> None:
-    """The profiled builds' functions with the most own time, in us per step."""
+def print_profile(prof, steps: int, what: str, top: int = 18) -> None:
+    """The profiled calls' functions with the most own time, in us per step."""
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tt, ct, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     total = sum(v[2] for v in stats.values()) * 1e6 / steps
-    print(f"cProfile of the persistent builds: {total:.1f} us/step in all (profiled); "
+    print(f"cProfile of {what}: {total:.1f} us/step in all (profiled); "
           "own time / cumulative per step, calls per step:")
     for (file, line, name), (_, ncalls, tt, ct, _) in rows:
         where = f"{os.path.basename(file)}:{line}" if line else file
@@ -269,9 +279,11 @@ def main(argv=None) -> int:
     parser.add_argument("--breakdown", action="store_true",
                         help="then as many persistent steps alone, warm: where the time goes")
     parser.add_argument("--profile", action="store_true",
-                        help="with --breakdown: its persistent builds under cProfile, the "
-                             "functions with the most own time per step (the timings of "
-                             "that breakdown then include the profiler's cost)")
+                        help="with --breakdown: its persistent builds, then its "
+                             "scheduler's schedule and update calls, each under a cProfile "
+                             "of its own: the functions with the most own time per step "
+                             "(the timings of that breakdown then include the profiler's "
+                             "cost)")
     parser.add_argument("--baseline", metavar="FILE",
                         help="another engine/stepmeta.py whose TableSync runs on the same "
                              "steps too (see the module doc)")
@@ -302,7 +314,8 @@ def main(argv=None) -> int:
           "table width |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batches.split(",")):
-        prof = cProfile.Profile() if args.profile and args.breakdown else None
+        prof = ({name: cProfile.Profile() for name in PROFILED}
+                if args.profile and args.breakdown else None)
         r = run(hf, batch, args.steps, args.warmup, args.max_model_len,
                 True if args.derive_on_device else False if args.host_steps else None,
                 args.breakdown, baseline, args.device, prof)
@@ -335,7 +348,8 @@ def main(argv=None) -> int:
                   f"{parts['baseline']:.0f} us; persistent / baseline per step: median "
                   f"{parts['pair']:.3f}")
         if prof is not None:
-            print_profile(prof, args.steps)
+            for name, what in PROFILED.items():
+                print_profile(prof[name], args.steps, what)
     print(f"\n{len(t['stateless'])} timed decode steps per batch after {args.warmup} untimed; "
           f"persistent output equal to build_metadata on every 10th step"
           + (" (and the baseline's to it)" if baseline is not None else ""))

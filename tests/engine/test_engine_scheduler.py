@@ -107,3 +107,41 @@ def test_chunks_columns_cover_decode_runs_prefills_and_preemptions():
     assert any(c.num_new_tokens > 1 for p in plans for c in p.chunks)  # prefill chunks
     with pytest.raises(InvalidArgumentError, match="2 chunks with 1 ids"):
         Chunks(plans[0].chunks[:1] * 2, [0], [0, 0], [1, 1])
+
+
+def test_batched_decodes_stop_and_reach_limits_as_one_by_one():
+    """Requests decoding together (one token each, the common case ``update`` keeps
+    without its general path) still stop at their eos (unless ignoring it), at their own
+    stop token, at ``max_new_tokens`` and at the scheduler's ``max_model_len``; and as
+    with ``batch_decode`` off (the general path for every token), step by step."""
+    script = {0: {3: 7}, 1: {2: 7}, 2: {1: 7, 4: 9}}  # rid -> {output index: token}
+    results = []
+    for batch_decode in (True, False):
+        s = scheduler(budget_tokens=120, eos_token_ids=[7], max_model_len=20)
+        s.batch_decode = batch_decode
+        reqs = [Request(0, tuple(range(5)), SamplingParams(max_new_tokens=10)),
+                Request(1, tuple(range(5, 10)), SamplingParams(max_new_tokens=6, ignore_eos=True)),
+                Request(2, tuple(range(10, 15)),
+                        SamplingParams(max_new_tokens=10, ignore_eos=True, stop_token_ids=(9,))),
+                Request(3, tuple(range(15, 20)), SamplingParams(max_new_tokens=19)),
+                Request(4, tuple(range(20, 23)), SamplingParams(max_new_tokens=14))]
+        for r in reqs:
+            s.add(r)
+        steps = []
+        while s.has_work():
+            plan = s.schedule()
+            sampled = {c.request.rid: [script.get(c.request.rid, {}).get(len(c.request.output), 3)]
+                       for c in plan.chunks if c.samples}
+            done = s.update(plan, sampled)
+            steps.append(([(c.request.rid, c.num_new_tokens) for c in plan.chunks],
+                          [r.rid for r in done]))
+        assert [r.output for r in reqs] == [[3, 3, 3, 7], [3, 3, 7, 3, 3, 3],
+                                            [3, 7, 3, 3, 9], [3] * 15, [3] * 14]
+        assert [r.finish_reason for r in reqs] == ["stop", "length", "stop", "length", "length"]
+        assert not s.mgr.requests and sum(s.mgr.blocks_used()) == 0
+        # each request finished in a step with another decode (a run of them)
+        ends = [chunks for chunks, done in steps for _ in done]
+        assert [rid for _, done in steps for rid in done] == [0, 2, 1, 3, 4]
+        assert all(sum(n == 1 for _, n in c) > 1 for c in ends)
+        results.append(steps)
+    assert results[0] == results[1]

@@ -209,10 +209,16 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: Mapping[object, Sequence[int]]) -> list[Request]:
         """Commit the step: ``sampled[rid]`` are the tokens a sampling request produced
-        (one, or accepted drafts plus a bonus token). Returns the requests that finished."""
+        (one, or accepted drafts plus a bonus token). Returns the requests that finished.
+
+        Most chunks of a decode step sample one token that stops nothing: a few cheap tests
+        find them and keep it; every other case goes to :meth:`_kept`, the one place that
+        decides stop tokens and length limits (its copies and loop cost more than those
+        tests on each of a step's requests)."""
         mgr = self.mgr
         states = mgr.requests
         eos, limit = self.eos, self.max_model_len
+        batch = self.batch_decode
         done: list[Request] = []
         # plain decodes (one computed token, one kept) commit in one commit_batch call per
         # run of them, in plan order: flushed before any other commit and at the end
@@ -222,36 +228,40 @@ class Scheduler:
             req = chunk.request
             rid = req.rid
             sp = req.sampling
-            left = sp.max_new_tokens - len(req.output)  # req.remaining, kept as it changes
+            output = req.output
+            left = sp.max_new_tokens - len(output)  # req.remaining, kept as it changes
             if not chunk.samples or left <= 0:
                 if batch_ids:
                     mgr.commit_batch(batch_ids, batch_toks)
                     batch_ids, batch_toks = [], []
                 mgr.commit(rid, chunk.num_new_tokens)  # a prefill chunk or a recompute
             else:
-                tokens = list(sampled[rid])[:left]
-                reason = None
-                for i, tok in enumerate(tokens):
-                    if tok in eos and not sp.ignore_eos or tok in sp.stop_token_ids:
-                        tokens, reason = tokens[: i + 1], "stop"
-                        break
-                if limit is not None:
-                    room = limit - len(states[rid].tokens)
-                    if len(tokens) >= room:
-                        tokens, reason = tokens[:room], reason or "length"
-                computed = len(tokens) if chunk.num_lookahead else chunk.num_new_tokens
-                if computed == 1 and len(tokens) == 1 and self.batch_decode:
+                toks = sampled[rid]
+                # one token in no stop set (eos even where ignored: _kept decides that),
+                # two or more positions short of max_model_len: _kept would keep it and
+                # give no reason to stop (max_new_tokens: the common test below)
+                if (batch and len(toks) == 1 and chunk.num_new_tokens == 1
+                        and (tok := toks[0]) not in eos and tok not in sp.stop_token_ids
+                        and (limit is None or limit - len(states[rid].tokens) > 1)):
                     batch_ids.append(rid)
-                    batch_toks.append(tokens[0])
+                    batch_toks.append(tok)
+                    output.append(tok)
+                    left -= 1
                 else:
-                    if batch_ids:
-                        mgr.commit_batch(batch_ids, batch_toks)
-                        batch_ids, batch_toks = [], []
-                    mgr.commit(rid, computed, tokens)
-                req.output += tokens
-                left -= len(tokens)
-                if reason is not None:
-                    req.finish_reason = reason
+                    tokens, reason = self._kept(req, toks, left, len(states[rid].tokens))
+                    computed = len(tokens) if chunk.num_lookahead else chunk.num_new_tokens
+                    if computed == 1 and len(tokens) == 1 and batch:
+                        batch_ids.append(rid)
+                        batch_toks.append(tokens[0])
+                    else:
+                        if batch_ids:
+                            mgr.commit_batch(batch_ids, batch_toks)
+                            batch_ids, batch_toks = [], []
+                        mgr.commit(rid, computed, tokens)
+                    output += tokens
+                    left -= len(tokens)
+                    if reason is not None:
+                        req.finish_reason = reason
             if req.finish_reason is not None or left <= 0:
                 done.append(req)
         if batch_ids:
@@ -260,6 +270,24 @@ class Scheduler:
             self.running.remove(req)
             self._finish(req, req.finish_reason or "length")
         return done
+
+    def _kept(self, req: Request, sampled: Sequence[int], left: int, known: int
+              ) -> tuple[list[int], str | None]:
+        """The tokens a request keeps of those it ``sampled`` and why it then stops (None:
+        it goes on): at most ``left`` (``max_new_tokens``), up to its first stop token, and
+        no further than ``max_model_len`` from the ``known`` tokens it has."""
+        sp = req.sampling
+        tokens = list(sampled)[:left]
+        reason = None
+        for i, tok in enumerate(tokens):
+            if tok in self.eos and not sp.ignore_eos or tok in sp.stop_token_ids:
+                tokens, reason = tokens[: i + 1], "stop"
+                break
+        if self.max_model_len is not None:
+            room = self.max_model_len - known
+            if len(tokens) >= room:
+                tokens, reason = tokens[:room], reason or "length"
+        return tokens, reason
 
     def _finish(self, req: Request, reason: str) -> None:
         self.mgr.free(req.rid)
