@@ -236,7 +236,7 @@ def to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 # candidates around the defaults (``maxnreg`` caps registers: more programs per SM; ``swap``
 # keys on the MMA's M side; ``fused`` the last split merges; ``heads_first`` the grid order);
-# registers and shared memory of each: compiled for sm_90 on the CPU (docs/kernels.md)
+# registers and shared memory of each: compiled for sm_90 on the CPU (docs/kernels-log.md)
 GQA_SMALL_GRIDS = {
     "gqa": [{}, dict(maxnreg=96), dict(maxnreg=0), dict(page_tiles=False)],
     "gqa_q7": [{}, dict(page_tiles=False), dict(maxnreg=0)],
@@ -501,7 +501,7 @@ def flex_case(case, q, k, v, table, ctx, q_len, page, scale, nbytes, ref, flops,
 def mla_grid(rows: int, fp8: bool) -> list[dict]:
     """Launch configs swept per MLA shape family (rows = q_len x heads per request): the
     pointer kernel (per-tile addresses, optionally transposed scores) and the TMA kernel
-    (``num_stages`` 3 also prefetches the page ids; 1 is refused: see docs/kernels.md)."""
+    (``num_stages`` 3 also prefetches the page ids; 1 is refused: see docs/kernels-log.md)."""
     def cfg(bm, bn, w, st, tma, swap=False, splits=1):
         return dict(block_m=bm, block_n=bn, dv_splits=1, num_warps=w, num_stages=st, tma=tma,
                     swap=swap, splits=splits)

@@ -3,7 +3,7 @@
 Gluon fp8 kernel's arithmetic emulated in torch (query split into e4m3 hi + lo with one
 scale per row, P x 256 in e4m3 as one tile or as hi + lo, the sums over the same e4m3
 values) against float64 attention over the dequantized e4m3 cache; prints the relative
-error per key count. Why it exists: it chose to split P into e4m3 hi + lo in ``decode_gluon`` (docs/kernels.md).
+error per key count. Why it exists: it chose to split P into e4m3 hi + lo in ``decode_gluon`` (docs/kernels-log.md).
 
 Usage: python benchmarks/fp8_probs.py [SEED]
 """

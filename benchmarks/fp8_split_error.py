@@ -2,7 +2,7 @@
 """Relative error of the fp8 GQA decode kernels against float64 attention over the
 dequantized cache, per split count and context: whether a kernel's error grows with the
 keys one split accumulates (the Gluon kernel's did, before its value products were summed
-outside the tensor core; docs/kernels.md).
+outside the tensor core; docs/kernels-log.md).
 
 Two sequences (``ctx`` and ``ctx - 37`` tokens, q_len 1), 32 query / 8 KV heads, head dim
 128, pages of 16 slots placed in shuffled order, e4m3 K/V with per-tensor scales (values

@@ -3,7 +3,7 @@
 ``kernel[grid](*args)`` binds and specialises every argument, builds the cache key, looks
 the compiled kernel up and builds launch metadata on every call: for a kernel of ~50
 arguments that is tens of microseconds of host time, more than a short decode kernel runs
-(docs/kernels.md, "Host time of one eager decode call"). A ``Launch`` fixes one
+(docs/kernels-log.md, "Host time of one eager decode call"). A ``Launch`` fixes one
 specialisation: grid, constexprs, launch options and scalar arguments, which the caller
 keys its launches by. Its first call goes through ``kernel[grid]`` (compiling or finding
 the kernel); later CUDA calls hand the tensors' raw addresses straight to the compiled

@@ -216,7 +216,7 @@ def test_matches_float64_reference(fmt, q_len, mask, splits):
 def test_sinks_device_scales_and_larger_pages(block_size, q_len, mask, splits):
     """Pages of 32 / 64 slots, sinks (merged by the combine) and scales in device memory
     through the Gluon kernel (this case's NaN in the 06:48 UTC run was its reference's:
-    docs/kernels.md), against float64 attention with the sinks."""
+    docs/kernels-log.md), against float64 attention with the sinks."""
     seqs = [(300, q_len), (77, q_len), (q_len, q_len), (0, 0), (129, q_len)]
     k_scale, v_scale = 2.0**-7, 2.0**-4
     (q, k8, v8, qsl, lens, table), keys, values = _fp8_case(

@@ -247,7 +247,7 @@ def test_ds_kernel_compiles_for_sm90_without_spills(mask, dtype, stages):
     two V^T buffer pairs and each MMA warpgroup's four P_g buffers fit in 227 KB; nothing in
     local memory but what the MMA warpgroups (232 registers, set by ``setmaxnreg``) keep
     there, at most 6 words a tile in any loop (4 in the causal and full forms; H200: 150 us
-    against the deleted, spill-free one-warpgroup kernel's 195, docs/kernels.md); the latent's MMAs are e4m3,
+    against the deleted, spill-free one-warpgroup kernel's 195, docs/kernels-log.md); the latent's MMAs are e4m3,
     m64n32k32 (hi and lo as N = 32): scores 4 groups x 4 k-steps, values 4 groups x 2
     M-tiles x 2 k-steps; the rope's alone bf16 (64 keys x 16 rows over 64 columns: 4
     m64n16k16); all of it in each of the two MMA warpgroups; the copies are TMA; the

@@ -72,12 +72,12 @@ class PersistentMetadata(MetadataBuilder):
         largest = Layout.of(self.batch_buckets[-1], self.token_buckets[-1], (max_blocks,) * len(self.groups))
         self._buffers = StepBuffers(self.device, capacity=largest.nbytes)
         # steady decode steps derived on the device (by default on CUDA: measured on the
-        # H200, docs/kernels.md): the delta's buffers, each shape's descriptor, and how
+        # H200, docs/kernels-log.md): the delta's buffers, each shape's descriptor, and how
         # many steps took that path
         if derive_on_device is None:
             derive_on_device = self.device.type == "cuda"
         # and their copy + launch replayed from CUDA graphs (by default on CUDA with the
-        # Triton kernel: 0.72x the host time of the eager calls on the H200, docs/kernels.md)
+        # Triton kernel: 0.72x the host time of the eager calls on the H200, docs/kernels-log.md)
         if derive_graphs is None:
             derive_graphs = self.device.type == "cuda" and derive_kernel in (None, "triton")
         self._delta = DeltaBuffers(self.device, self.batch_buckets[-1], len(self.groups),

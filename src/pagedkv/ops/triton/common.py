@@ -40,7 +40,7 @@ def num_splits(work_items: int, max_seq_len: int, chunk: int, sms: int | None = 
                waves: float = 2.0) -> int:
     """KV splits so that about ``waves`` programs per multiprocessor are launched, at least
     ``chunk`` keys per split, at most 64 splits (waves per kernel: benchmarks/attention.py's
-    sweep on the H200, docs/kernels.md)."""
+    sweep on the H200, docs/kernels-log.md)."""
     if interpreting():
         return min(2, max(1, -(-max_seq_len // 64)))  # exercise the combine, stay fast
     if sms is None:

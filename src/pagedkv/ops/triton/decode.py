@@ -13,7 +13,7 @@ split the kernel normalises and writes the output itself (no workspace, no combi
 
 K/V addresses are built per page: one block id per page of the tile, or per tile when the
 page holds it (``page_tiles``, the default for 16-bit and float32 caches). Variants behind
-launch overrides, measured on the H200 and left off by default (docs/kernels.md): ``swap``
+launch overrides, measured on the H200 and left off by default (docs/kernels-log.md): ``swap``
 (keys on the MMA's M side, wgmma), ``gluon`` (fp8 caches on Hopper through
 ``decode_gluon.py``), ``fused`` (the split that
 finishes last merges the partial states through an arrival counter, no combine launch),
@@ -373,7 +373,7 @@ def _paged_decode_fwd(
 
 DECODE_ROWS = 64  # at most this many (query row, query head) pairs per KV head take this path
 
-# Launch defaults from the sweep in benchmarks/attention.py on the H200 (docs/kernels.md):
+# Launch defaults from the sweep in benchmarks/attention.py on the H200 (docs/kernels-log.md):
 # (block_n, num_warps, num_stages). 4 warps, 64 keys per tile and a one-tile-ahead
 # prefetch keep a bf16 program at 128 registers (4 programs per SM); fp8 tiles hold twice
 # the keys for the same bytes.
@@ -386,14 +386,14 @@ SWAP_Q7 = False  # ... for 32-row tiles (7-token blocks at group 4)
 FUSED_COMBINE = False  # the last split merges the partials: slower on the H200 (docs)
 HEADS_FIRST = False  # KV heads of the same pages in neighbouring programs: no gain measured (docs)
 # block ids per page (per tile when the page holds it), not per key, for 16-bit and float32
-# caches: 2-3.5% faster on the H200's q1 shapes, 13% on 7-token blocks (docs/kernels.md,
+# caches: 2-3.5% faster on the H200's q1 shapes, 13% on 7-token blocks (docs/kernels-log.md,
 # 00:58-01:07 UTC runs); fp8 caches keep per-key ids (page tiles measured 30% slower there)
 PAGE_TILES = True
 PAGE_TILES_MAXNREG = 128  # bf16 page tiles: 115 (p16) / 146 (p64) registers uncapped, no spill at 128
 WIDEN_FP8 = False  # fp8 tiles as 32-bit words widened before shared memory: within 1% (docs)
 # the Gluon fp8 kernel (decode_gluon.py, both products on e4m3 tensor cores) for the fp8
 # calls it takes (``decode_gluon.supported``: up to 32 (row, head) pairs per KV head): on the
-# H200 at B64 p16 (docs/kernels.md) 1.52-1.55x the Triton fp8 kernel's speed at q_len 1
+# H200 at B64 p16 (docs/kernels-log.md) 1.52-1.55x the Triton fp8 kernel's speed at q_len 1
 # (17:11 UTC), 1.30-1.31x on 3- and 4-token non-causal blocks (18:08 UTC), 1.27-1.29x on
 # 7-token ones (18:00 UTC); causal blocks and 2, 5, 6 or 8 tokens not timed
 GLUON_FP8 = True
@@ -412,7 +412,7 @@ def decode_splits(programs: int, max_seq_len: int, device, one_wave: bool = Fals
     and at least two splits, each split at least ``MIN_SPLIT_KEYS`` keys, at most 64. With
     ``one_wave`` (16-row bf16/fp16 page-tile programs), one split (direct output, no combine)
     once the unsplit programs fill ``ONE_SPLIT_FILL`` of a wave: on the H200 it was as fast or
-    faster on every q1 shape of the benchmark (docs/kernels.md, 01:07 UTC run)."""
+    faster on every q1 shape of the benchmark (docs/kernels-log.md, 01:07 UTC run)."""
     if interpreting():
         return min(2, max(1, -(-max_seq_len // 64)))  # exercise the combine, stay fast
     sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())

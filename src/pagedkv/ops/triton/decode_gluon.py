@@ -2,7 +2,7 @@
 with both products on the 8-bit tensor cores.
 
 Why: the ``tl.dot`` decode kernels widen fp8 K/V to fp16 before their MMAs (byte permutes,
-200+ registers, 2 programs per SM: 1.2x the bf16 kernel, docs/kernels.md), and e4m3 scores
+200+ registers, 2 programs per SM: 1.2x the bf16 kernel, docs/kernels-log.md), and e4m3 scores
 alone left P x V 16-bit. 8-bit wgmma operands from shared memory must be K-major: K
 ([keys, dims], dims contiguous) is, V is not, so V is transposed once per tile through
 registers into a K-major buffer.
@@ -30,7 +30,7 @@ device-memory scales, sinks (in the combine), causal, non-causal and draft-block
 to 32 (row, head) pairs per KV head; no window/chunk/soft-cap.
 The default for the fp8 calls it takes (``decode.GLUON_FP8``; 7-token non-causal blocks: 1.27-1.29x
 the Triton fp8 kernel, H200 18:00 UTC). H200, 2026-12-04 17:12-17:15
-UTC (docs/kernels.md, "GQA fp8, lean V^T"): 1.77-1.86x the bf16 kernel's throughput at B32-128,
+UTC (docs/kernels-log.md, "GQA fp8, lean V^T"): 1.77-1.86x the bf16 kernel's throughput at B32-128,
 context 8K-32K, page 16 (91-98% of device copy at B64-128), against 1.42-1.48x for the form
 that zeroed every tile and 1.26-1.30x for two MMA chains (both deleted since).
 """
@@ -54,7 +54,7 @@ from pagedkv.ops.triton.gluon_common import extents as _extents
 from pagedkv.ops.triton.gluon_common import half_sum as _half_sum
 
 BLOCK_N, BOX, DIM = 64, 16, 128
-# ring slots: 2 (4 programs per SM) beat 3 (3 per SM) by 15% on the H200 (docs/kernels.md)
+# ring slots: 2 (4 programs per SM) beat 3 (3 per SM) by 15% on the H200 (docs/kernels-log.md)
 STAGES = 2
 LOADER_REGS = gl.constexpr(40)  # the copy warp's register request (worker_num_regs)
 # registers per thread of the launch (256 threads: the copy warp is padded to a warpgroup,

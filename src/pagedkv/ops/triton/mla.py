@@ -439,7 +439,7 @@ def _paged_mla_tma(
 
 def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool) -> dict:
     """Launch config by shape family, chosen from benchmarks/attention.py's sweeps on the
-    H200 (docs/kernels.md). bf16/fp16 with page tiles: the TMA kernel; <= 16 query rows per
+    H200 (docs/kernels-log.md). bf16/fp16 with page tiles: the TMA kernel; <= 16 query rows per
     request with keys on the MMA's M side (``swap``), more rows as 64-row tiles; with block
     sizes that are multiples of 64, ``gluon`` (the Hopper kernels, where they run). fp8 caches:
     the pointer kernel (a TMA tile converted to bf16 in registers spills), except <= 16 rows
@@ -447,7 +447,7 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     scale: ``mla_gluon_e4m3``, both products on e4m3 MMAs, 0.75x the bf16 Gluon kernel's
     time; fp8_ds_mla: ``mla_gluon_ds``, warp-specialized, 150 us where its one-warpgroup form
     (deleted since) took 195 and the pointer kernel 396; H200 B64 ctx8K h16 q1, 2026-12-04
-    19:52, 20:31 and 17:12 UTC, docs/kernels.md; ``mla_gluon.supported``
+    19:52, 20:31 and 17:12 UTC, docs/kernels-log.md; ``mla_gluon.supported``
     sends the rest back to the pointer kernel with this config, e.g. any call off Hopper).
     ``waves``: programs per multiprocessor that the KV splits aim at (rounded down: a second
     partial wave cost more than it gained in the sweeps)."""
@@ -464,7 +464,7 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
                     tma=False if fp8 else None, gluon=gluon)
     block_n = 64 if block_size % 64 == 0 else 32
     # the Gluon kernels (mla_gluon) where they run: faster in every bf16 family measured
-    # (docs/kernels.md, "MLA, Gluon kernels")
+    # (docs/kernels-log.md, "MLA, Gluon kernels")
     gluon = block_size % 64 == 0
     if rows_per_request <= 16:
         return dict(block_m=16, block_n=block_n, dv_splits=1, num_warps=4, num_stages=2,
@@ -708,7 +708,7 @@ def paged_mla_latent(
                   P_FULL=rope_dim == block_p)
     warps, stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
     # num_stages 1: the TMA kernel is not software-pipelined, and on the H200 it returned
-    # wrong results at long contexts (docs/kernels.md, MLA section); auto picks the pointer kernel
+    # wrong results at long contexts (docs/kernels-log.md, MLA section); auto picks the pointer kernel
     descs = _tma_descriptors(latent_cache, rank, block_p, block_n) if (
         not use_gluon and tma is not False and dv_splits <= 2 and block_size % block_n == 0
         and stages >= 2) else None

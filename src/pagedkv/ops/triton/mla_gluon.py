@@ -2,7 +2,7 @@
 
 Why not ``tl.dot``: with 64 (query row, head) rows on 8 warps Triton gives the score product
 a [8, 1] warp layout, so both warpgroups compute the same 64 x 64 scores and the kernel is
-compute-bound at half the tensor-core rate (docs/kernels.md, MLA sections). Here the layouts
+compute-bound at half the tensor-core rate (docs/kernels-log.md, MLA sections). Here the layouts
 are explicit. One program = one request x one row tile x one KV split.
 
 - ``_mla_gluon_fwd`` (more than 16 rows per request: 64-row tiles, 8 warps): scores
@@ -12,7 +12,7 @@ are explicit. One program = one request x one row tile x one KV split.
   output columns (each warpgroup 256 columns, fp32 accumulators in registers).
   This kernel is ``gluon="serial"``; the default for 64-row tiles is the warp-specialized
   ping-pong kernel over half-tile slots, ``mla_gluon_pph`` (``ROWS_DEFAULT``; 1.35x this
-  kernel on the H200, docs/kernels.md "MLA, Gluon 64-row pass").
+  kernel on the H200, docs/kernels-log.md "MLA, Gluon 64-row pass").
 - ``_mla_gluon_swap`` (<= 16 rows: decode with <= 16 heads): one warpgroup, keys on the
   MMA's M side, so no row is padded to 64.
 - Both: 64-key page tiles arrive by TMA (512 latent + 64 rope columns, NVMMA-swizzled) in a
@@ -428,7 +428,7 @@ ROWS_DEFAULT = "pingpong_halves"
 # the <= 16-row kernel of a per-tensor e4m3 cache, by name: "e4m3" is
 # ``mla_gluon_e4m3._mla_gluon_e4m3`` (both products on e4m3 MMAs, warp-specialized), the
 # only one since the widening kernel (bf16 MMAs on tiles widened in shared memory, 2.1x its
-# time on the H200, docs/kernels.md) was deleted
+# time on the H200, docs/kernels-log.md) was deleted
 FP8_VARIANTS = ("e4m3",)
 
 

@@ -3,7 +3,7 @@ kernel (``mla_gluon_e4m3``) extended to per-128-column fp32 scales and a bf16 ro
 default for the fp8_ds_mla calls it takes (``supported``) on Hopper.
 
 Why: fp8_ds_mla (DeepSeek / Kimi) was served by the Triton pointer kernel, ~0.54x the bf16
-kernel's throughput on the H200 (docs/kernels.md). History: a one-warpgroup form of this
+kernel's throughput on the H200 (docs/kernels-log.md). History: a one-warpgroup form of this
 kernel (``_mla_gluon_ds``, behind ``WS = False``) was deleted (commit 5fc7975, 2026-12-04
 21:28 UTC) after the lead's H200 check (2026-12-04 21:22-21:24 UTC, main at b6288d0, torch
 2.11.0+cu130, triton 3.6.0; ``PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py ds WS=1

@@ -17,7 +17,7 @@ e4m3 operands, so a tile costs its 37 KB once. What the products need:
 
 The kernel is warp-specialized: the transpose, about half of a tile's instructions, had
 kept a one-warpgroup kernel at one warp per scheduler issuing every 3.5 cycles (Nsight
-Compute, docs/kernels.md). The kernel's own warpgroup transposes every tile (the 8 x 8
+Compute, docs/kernels-log.md). The kernel's own warpgroup transposes every tile (the 8 x 8
 matrix instructions, ``_transpose_matrix``) into V^T buffer pair t % 2; two MMA warpgroups
 take alternate tiles (scores, softmax, P, then the value MMAs once V^T is ready), each with
 its own running state, written as two workspace splits that the combine merges like any
@@ -31,7 +31,7 @@ store (``latent_dim``) follow. H200 (2026-12-04 21:37-21:38 UTC, torch 2.11+cu13
 3.6.0; ``PYTHONPATH=src python3 benchmarks/mla_fp8_forms.py e4m3 STAGES=3 STAGES=2``), B64
 ctx8K h16 q1 page 64, CUDA-graph replays: 95.2-95.5 us against the bf16 Gluon kernel's
 149.7-149.9 in the same process (1.57x its throughput); with the conflicted transpose 110.7
-against 145.7 (1.32x, 21:23 UTC). Deleted forms (docs/kernels.md "MLA e4m3, warp-spec.."):
+against 145.7 (1.32x, 21:23 UTC). Deleted forms (docs/kernels-log.md "MLA e4m3, warp-spec.."):
 one warpgroup doing both (1.05-1.07x bf16), one MMA warpgroup beside the transposer
 (1.18-1.25x), key-pair stores instead of the matrix instructions (1.26-1.29x).
 

@@ -1,6 +1,6 @@
 """Paged absorbed MLA in Gluon for Hopper: the 64-row kernel for more than 16 rows per
 request (``paged_mla_latent(..., gluon="pingpong_halves")``, the default there: 1.35x
-``mla_gluon._mla_gluon_fwd``, "serial", on the H200, docs/kernels.md "MLA, Gluon 64-row
+``mla_gluon._mla_gluon_fwd``, "serial", on the H200, docs/kernels-log.md "MLA, Gluon 64-row
 pass"). Warp-specialized after FlashMLA's sm90 decode design (read, not copied): two
 consumer warpgroups take alternate 64-key tiles and the kernel's own warpgroup issues the
 copies. Tile t's owner (warpgroup t % 2, ring slot t % 2) computes its 64 x 64 scores and
@@ -16,7 +16,7 @@ so each half has its own ready and empty barriers and is refilled as soon as its
 is done (a whole slot would wait for the later of the two value products), each warpgroup
 releases the other's slot before its own softmax, and the scores start on the half that is
 usually refilled first. Slower variants tried on the way (a ping-pong over whole slots, a
-FlashMLA-like pair schedule, an overlapped serial kernel) are recorded in docs/kernels.md.
+FlashMLA-like pair schedule, an overlapped serial kernel) are recorded in docs/kernels-log.md.
 """
 
 from __future__ import annotations
