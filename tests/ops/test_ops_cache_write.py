@@ -165,6 +165,16 @@ def test_shape_mismatch_raises(ops_backend):
     with pytest.raises(InvalidArgumentError):
         write_kv(torch.ones(2, 1, 3, device=DEVICE), torch.ones(2, 1, 2, device=DEVICE), cache,
                  cache.clone(), torch.tensor([0, 1], device=DEVICE))
+    x = torch.ones(2, 1, 2, device=DEVICE)
+    with pytest.raises(InvalidArgumentError, match="int32 or int64"):  # (was truncated)
+        write_kv(x, x, cache, cache.clone(), torch.tensor([0.0, 1.5], device=DEVICE))
+    latent, rope = torch.ones(3, 8, device=DEVICE), torch.ones(3, 4, device=DEVICE)
+    entries = torch.zeros(2, 4, 12, device=DEVICE)
+    slots = torch.tensor([0, 1, 2], device=DEVICE)
+    for lat, rp in ((latent[0], rope), (latent, rope[:2]), (latent, rope[None]),
+                    (latent[None], None)):
+        with pytest.raises(InvalidArgumentError, match=r"need \[T, R\] and \[T, P\]"):
+            write_mla_latent(lat, rp, entries, slots)
 
 
 @pytest.mark.parametrize(

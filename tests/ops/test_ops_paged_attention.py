@@ -268,6 +268,15 @@ def test_bad_calls_raise(ops_backend):
         paged_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table[:, :1])
     with pytest.raises(MetadataError, match="query_start_loc"):
         paged_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl[:1], sc.seq_lens, sc.table)
+    # index tensors of another dtype or rank: one error, not a truncation or a kernel's
+    # type error (the Triton backend took float ones to the kernel)
+    for bad in ("qsl", "seq_lens", "table"):
+        args = {"qsl": sc.qsl, "seq_lens": sc.seq_lens, "table": sc.table}
+        for broken in (args[bad].float(), args[bad][0]):
+            args[bad] = broken
+            with pytest.raises(MetadataError, match="int32 or int64"):
+                paged_attention(sc.q, sc.k_cache, sc.v_cache, args["qsl"], args["seq_lens"],
+                                args["table"])
 
 
 def test_sequence_with_no_position_yet_outputs_zeros_even_with_sinks(ops_backend):

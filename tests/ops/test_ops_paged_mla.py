@@ -20,7 +20,7 @@ from dense_reference import (  # noqa: E402
 )
 from kernel_cases import EXACT, INTERPRETER_WARNINGS, only_on_gpu  # noqa: E402
 
-from pagedkv.errors import InvalidArgumentError  # noqa: E402
+from pagedkv.errors import InvalidArgumentError, MetadataError  # noqa: E402
 from pagedkv.ops import (  # noqa: E402
     Mask,
     absorb_query,
@@ -197,6 +197,12 @@ def test_bad_calls_raise(ops_backend):
                   latent_scale=1.0)
     with pytest.raises(InvalidArgumentError, match="W_UK"):
         absorb_query(q_nope, w_uk[:, :3])
+    q_latent = absorb_query(q_nope, w_uk)
+    for ql, qr in ((q_latent[0], q_rope), (q_latent, q_rope[0]), (q_latent[None], q_rope)):
+        with pytest.raises(InvalidArgumentError, match=r"need \[T, H, R\]"):
+            paged_mla_latent(ql, qr, sc.cache, qsl, seq_lens, sc.table, scale=0.1)
+    with pytest.raises(MetadataError, match="int32 or int64"):
+        paged_mla_latent(q_latent, q_rope, sc.cache, qsl.float(), seq_lens, sc.table, scale=0.1)
     ds = make_cache([9], 4, "fp8_ds_mla")
     with pytest.raises(InvalidArgumentError, match="fp8_ds_mla"):
         paged_mla(q_nope, q_rope, ds.cache, qsl, seq_lens, ds.table, w_uk=w_uk, w_uv=w_uv,

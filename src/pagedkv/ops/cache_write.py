@@ -44,8 +44,7 @@ def write_mla_latent(
     The cache's dtype picks the format: bf16/fp16/fp32 store [latent | rope]; fp8 stores it
     scaled by the per-tensor ``scale``; uint8 stores fp8_ds_mla entries.
     """
-    if rope is None:
-        rope = latent.new_zeros(latent.shape[0], 0)
+    rope = latent_rope(latent, rope)
     if cache.dtype == torch.uint8:
         if scale is not None:
             raise InvalidArgumentError("fp8_ds_mla carries its own scales; pass no latent scale")
@@ -53,6 +52,23 @@ def write_mla_latent(
     else:
         entries = to_stored(torch.cat([latent, rope.to(latent.dtype)], dim=-1), cache.dtype, scale)
     _write_slots(entries, cache, slot_mapping, 2)
+
+
+def latent_rope(latent: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    """The rope rows to write beside ``latent`` [T, R]: ``rope`` [T, P] checked, or [T, 0]
+    for NoPE (None)."""
+    if rope is None and latent.dim() == 2:
+        return latent.new_zeros(latent.shape[0], 0)
+    if latent.dim() != 2 or rope is None or rope.dim() != 2 or rope.shape[0] != latent.shape[0]:
+        raise InvalidArgumentError(
+            f"latent {tuple(latent.shape)} and rope "
+            f"{None if rope is None else tuple(rope.shape)}: need [T, R] and [T, P]")
+    return rope
+
+
+def check_slot_ids(slots: torch.Tensor) -> None:
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgumentError(f"slot ids must be int32 or int64, got {slots.dtype}")
 
 
 def write_state(state: torch.Tensor, cache: torch.Tensor, slot_ids: torch.Tensor) -> None:
@@ -78,6 +94,7 @@ def _write_slots(
 ) -> None:
     """values [T, *entry] -> cache; ``slot_dims`` 2 for [blocks, block_size, ...], 1 for states."""
     entry = tuple(cache.shape[slot_dims:])
+    check_slot_ids(slots)
     if slots.dim() != 1 or values.shape[0] != slots.shape[0] or tuple(values.shape[1:]) != entry:
         raise InvalidArgumentError(
             f"{tuple(values.shape)} values for {tuple(slots.shape)} slots into a cache "

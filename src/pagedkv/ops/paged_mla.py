@@ -50,6 +50,21 @@ def project_output(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return torch.einsum("thr,hvr->thv", o_latent, w_uv.to(o_latent.dtype))
 
 
+def check_latent_args(q_latent: torch.Tensor, q_rope: torch.Tensor | None,
+                      latent_cache: torch.Tensor) -> None:
+    """InvalidArgumentError unless q_latent is [T, H, R], q_rope [T, H, P] (or None) and the
+    cache [num_blocks, block_size, entry]."""
+    if q_latent.dim() != 3 or (q_rope is not None and (
+            q_rope.dim() != 3 or q_rope.shape[:2] != q_latent.shape[:2])):
+        raise InvalidArgumentError(
+            f"q_latent {tuple(q_latent.shape)} and q_rope "
+            f"{None if q_rope is None else tuple(q_rope.shape)}: need [T, H, R] and [T, H, P]")
+    if latent_cache.dim() != 3:
+        raise InvalidArgumentError(
+            f"the latent cache is [num_blocks, block_size, entry], got {tuple(latent_cache.shape)}"
+        )
+
+
 def paged_mla_latent(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor | None,
@@ -64,16 +79,9 @@ def paged_mla_latent(
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The kernel-level op: absorbed queries -> o_latent [T, H, R] in ``compute_dtype``."""
+    check_latent_args(q_latent, q_rope, latent_cache)
     rows, heads, rank = q_latent.shape
     rope_dim = 0 if q_rope is None else q_rope.shape[-1]
-    if q_rope is not None and q_rope.shape[:2] != q_latent.shape[:2]:
-        raise InvalidArgumentError(
-            f"q_rope {tuple(q_rope.shape)} does not match q_latent {tuple(q_latent.shape)}"
-        )
-    if latent_cache.dim() != 3:
-        raise InvalidArgumentError(
-            f"the latent cache is [num_blocks, block_size, entry], got {tuple(latent_cache.shape)}"
-        )
     q_full = q_latent if q_rope is None else torch.cat([q_latent, q_rope.to(q_latent.dtype)], -1)
     out = torch.zeros(rows, heads, rank, dtype=compute_dtype, device=q_latent.device)
     for s in sequences(query_start_loc, seq_lens, block_table, rows, latent_cache.shape[1]):

@@ -26,6 +26,20 @@ class Sequence:
     seq_len: int
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_index_tensors(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_table: torch.Tensor) -> None:
+    """MetadataError unless the batch's index tensors are int32/int64 of the conventions'
+    ranks (a float tensor would be truncated here and read as other bits by a kernel)."""
+    for name, t, dims in (("query_start_loc", query_start_loc, 1), ("seq_lens", seq_lens, 1),
+                          ("block_table", block_table, 2)):
+        if t.dtype not in _INDEX_DTYPES or t.dim() != dims:
+            raise MetadataError(f"{name} must be a {dims}-D int32 or int64 tensor, got "
+                                f"{t.dtype} of shape {tuple(t.shape)}")
+
+
 def sequences(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -34,6 +48,7 @@ def sequences(
     block_size: int,
 ) -> Iterator[Sequence]:
     """Validated sequences of the batch that have at least one query row."""
+    check_index_tensors(query_start_loc, seq_lens, block_table)
     starts = [int(x) for x in query_start_loc.tolist()]
     lens = [int(x) for x in seq_lens.tolist()]
     batch = len(lens)

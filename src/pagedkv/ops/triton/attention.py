@@ -21,7 +21,7 @@ from pagedkv.errors import InvalidArgumentError
 from pagedkv.ops.fp8 import is_fp8
 from pagedkv.ops.masks import CAUSAL, Mask
 from pagedkv.ops.paged_attention import check_attention_args
-from pagedkv.ops.sequences import sequences
+from pagedkv.ops.sequences import check_index_tensors, sequences
 from pagedkv.ops.triton.combine import combine, workspace
 from pagedkv.ops.triton.common import (
     capturing,
@@ -241,6 +241,7 @@ def paged_attention(
             return out
     check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
     check_device(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
+    check_index_tensors(query_start_loc, seq_lens, block_table)
     ks = _scale_pair(k_cache, k_scale, "k_scale")
     vs = _scale_pair(v_cache, v_scale, "v_scale")
     for cache in (k_cache, v_cache):

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.ops.cache_write import check_slots, to_stored
+from pagedkv.ops.cache_write import check_slot_ids, check_slots, latent_rope, to_stored
 from pagedkv.ops.fp8 import DS_MLA_GROUP, ds_mla_entry_bytes, is_fp8
 from pagedkv.ops.triton.common import (
     capturing,
@@ -79,6 +79,7 @@ def _write_slots_check_only(cache: torch.Tensor, slots: torch.Tensor) -> None:
 
 def _shape_check(values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     entry = tuple(cache.shape[2:])
+    check_slot_ids(slots)
     if slots.dim() != 1 or values.shape[0] != slots.shape[0] or tuple(values.shape[1:]) != entry:
         raise InvalidArgumentError(
             f"{tuple(values.shape)} values for {tuple(slots.shape)} slots into a cache "
@@ -137,8 +138,7 @@ def write_mla_latent(
     scale: float | torch.Tensor | None = None,
 ) -> None:
     """latent [T, R] and rope [T, P] (None for NoPE) -> one cache entry per slot."""
-    if rope is None:
-        rope = latent.new_zeros(latent.shape[0], 0)
+    rope = latent_rope(latent, rope)
     if cache.dtype != torch.uint8:
         _write_one(torch.cat([latent, rope.to(latent.dtype)], dim=-1).contiguous(), cache,
                    slot_mapping, scale)

@@ -18,6 +18,8 @@ import triton.language as tl
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.ops.fp8 import DS_MLA_GROUP, is_fp8
 from pagedkv.ops.masks import CAUSAL, Mask
+from pagedkv.ops.paged_mla import check_latent_args
+from pagedkv.ops.sequences import check_index_tensors
 from pagedkv.ops.triton.attention import host_extents
 from pagedkv.ops.triton.combine import combine, workspace
 from pagedkv.ops.triton.common import (
@@ -621,15 +623,11 @@ def paged_mla_latent(
         if plan is not None:  # these arguments passed every check below before
             return _run_gluon(plan, q_latent, q_rope, latent_cache, query_start_loc, seq_lens,
                               block_table, check_blocks)
+    check_latent_args(q_latent, q_rope, latent_cache)
     rows, heads, rank = q_latent.shape
     rope_dim = 0 if q_rope is None else q_rope.shape[-1]
-    if q_rope is not None and q_rope.shape[:2] != q_latent.shape[:2]:
-        raise InvalidArgumentError(
-            f"q_rope {tuple(q_rope.shape)} does not match q_latent {tuple(q_latent.shape)}")
-    if latent_cache.dim() != 3:
-        raise InvalidArgumentError(
-            f"the latent cache is [num_blocks, block_size, entry], got {tuple(latent_cache.shape)}")
     check_device(q_latent, latent_cache, query_start_loc, seq_lens, block_table)
+    check_index_tensors(query_start_loc, seq_lens, block_table)
     ds = latent_cache.dtype == torch.uint8
     width = latent_cache.shape[-1]
     cache_rope = (width - rank - 4 * (rank // DS_MLA_GROUP)) // 2 if ds else width - rank
