@@ -16,6 +16,7 @@ from pagedkv.engine import Engine, SamplingParams  # noqa: E402
 from pagedkv.engine.tiny import tiny_model  # noqa: E402
 from pagedkv.errors import (  # noqa: E402
     CheckpointError,
+    InvalidArgumentError,
     RequestError,
     RequestTooLargeError,
     UnsupportedArchitectureError,
@@ -117,3 +118,23 @@ def test_saved_rotary_buffers_are_skipped():
     native = LlamaForCausalLM(hf.config)
     native.load_weights(state.items())
     assert torch.equal(native.model.norm.weight, hf.model.norm.weight)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": "1"}, "top_p"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"stop_token_ids": "ab"}, "stop_token_ids"),
+    ({"stop_token_ids": (1.5,)}, "stop_token_ids"),  # (was truncated to 1)
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+])
+def test_sampling_params_of_the_wrong_kind_raise(kwargs, needle):
+    with pytest.raises(InvalidArgumentError, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_numpy_numbers():
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(temperature=np.float32(0.5), stop_token_ids=[np.int64(7), 9])
+    assert sp.stop_token_ids == (7, 9) and all(type(t) is int for t in sp.stop_token_ids)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 from pagedkv.errors import InvalidArgumentError
@@ -25,17 +28,26 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        try:  # (operator.index: ints of any kind, numpy's too; no floats, no strings)
+            stops = tuple(operator.index(t) for t in self.stop_token_ids)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"stop_token_ids must be token ids, got {self.stop_token_ids!r}") from None
+        object.__setattr__(self, "stop_token_ids", stops)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(eq=False)
