@@ -214,6 +214,7 @@ def test_state_only_budget_below_one_state_does_not_fit():
         (PlanOptions(GiB, 8192, strategy="vllm"), "strategy"),
         (PlanOptions(GiB, 8192, pp=33), "pp=33"),
         (PlanOptions(GiB, 8192, tp=3), "tp=3"),
+        (PlanOptions(GiB, 8192, tp=8 << 40), "ranks"),  # (heads replicate: was a 2^43-rank loop)
     ],
 )
 def test_bad_options(options, match):

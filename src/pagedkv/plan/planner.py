@@ -47,11 +47,18 @@ STRATEGIES = ("auto", STRATEGY)  # strategies make_plan can build; "vllm" is rep
 MAX_LEN_STRATEGY = "pagedkv-max-len"  # reported next to a plan sized for typical_len
 
 
+MAX_RANKS = 1 << 16  # far beyond any deployment; the plan holds one entry per rank
+
+
 def _check_options(options: PlanOptions) -> None:
     for key in ("budget_bytes", "max_model_len", "max_batched_tokens", "tp", "pp"):
         value = getattr(options, key)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise InvalidArgumentError(f"{key} must be a positive integer, got {value!r}")
+    if options.tp * options.pp > MAX_RANKS:  # (a plan lists every rank)
+        raise InvalidArgumentError(
+            f"tp {options.tp} x pp {options.pp} = {options.tp * options.pp} ranks; at most "
+            f"{MAX_RANKS:,} are planned")
     bs = options.block_size
     if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0):
         raise InvalidArgumentError(f"block_size must be a positive integer, got {bs!r}")
