@@ -295,6 +295,29 @@ def test_append_each_equals_append_blocks_and_refuses_bad_input():
         many.append_each(["zz"], {0: [11]})
 
 
+@pytest.mark.parametrize("ids", [["a", 1], [None, 1], [1.5, 2], [1.5] * 12, [[1, 2], 3],
+                                 [-2**70, 1], np.array([1.0, 2.0])])
+def test_block_ids_that_are_not_integers_are_refused(ids):
+    """A string, None, float or unconvertible id: MetadataError naming the request from
+    every entry point (was TypeError / ValueError, or a float truncated to a block id),
+    and a refused call changes nothing."""
+    g = make_group(0, 2, num_blocks=100)
+    b = MetadataBuilder([g], rows=2, width=2)
+    b.add("r", {0: [7]})
+    calls = [lambda: b.add("s", {0: ids}), lambda: b.append_blocks("r", {0: ids}),
+             lambda: b.set_blocks("r", {0: ids})]
+    if not isinstance(ids[0], list):  # (a nested list is a count mismatch there)
+        calls.append(lambda: b.append_each(["r"], {0: ids[:1]}))
+    for call in calls:
+        with pytest.raises(MetadataError, match="request"):
+            call()
+        assert b.blocks("r", 0) == (7,) and "s" not in b
+    floats = isinstance(ids[0], float) or isinstance(ids, np.ndarray)
+    if not floats:  # (the stateless builder truncates floats; its checked mode refuses them)
+        with pytest.raises(MetadataError, match="not an integer"):
+            build_metadata([ScheduledRequest("r", 0, 3, {0: ids})], [g])
+
+
 @pytest.mark.parametrize("n", [3, 70])  # a list up to _SMALL_APPEND ids checked in Python
 def test_append_each_from_a_list_of_any_length(n):
     """Short lists of block ids are checked and written without numpy's conversion, long

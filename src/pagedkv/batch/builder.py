@@ -183,11 +183,15 @@ class _GroupPlan:
         table.fill(0)
         kept = np.minimum(self.lens, self.width)
         total = int(kept.sum())
-        flat = np.fromiter(
-            itertools.chain.from_iterable(ids[: self.width] for ids in self.ids),
-            dtype=np.int64,
-            count=total,
-        )
+        try:  # (a float id is truncated here: checked mode's per-row checks reject it)
+            flat = np.fromiter(
+                itertools.chain.from_iterable(ids[: self.width] for ids in self.ids),
+                dtype=np.int64,
+                count=total,
+            )
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise MetadataError(f"group {group.id}: a block id is not an integer in range "
+                                f"({exc})") from None
         if total:
             limit = group.num_blocks if group.num_blocks > 0 else _INT32_MAX + 1
             bad = np.nonzero(flat >= limit)[0]

@@ -32,7 +32,7 @@ from pagedkv.batch.checked import checked_mode, validate_group_arrays
 from pagedkv.batch.derived import fill_derived, row_starts
 from pagedkv.batch.inputs import ScheduledRequest
 from pagedkv.batch.metadata import GroupMetadata, StepMetadata, group_metadata
-from pagedkv.errors import InvalidArgumentError, MetadataError
+from pagedkv.errors import InvalidArgumentError, MetadataError, PagedKVError
 from pagedkv.plan.types import Group
 
 _INT32_MAX = 2**31 - 1
@@ -45,6 +45,20 @@ _SMALL_APPEND = 32
 # ufunc reductions called directly: the ndarray methods add a Python-level wrapper per call
 _sum, _min, _max, _any = np.add.reduce, np.minimum.reduce, np.maximum.reduce, np.logical_or.reduce
 
+
+
+def _int64(ids) -> np.ndarray:  # noqa: ANN001
+    """``ids`` as a flat int64 array; TypeError for anything but integers (numpy would
+    truncate floats)."""
+    arr = np.asarray(ids)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"block ids of dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
+def _not_ids(group_id, req_id, ids, exc: Exception) -> MetadataError:  # noqa: ANN001
+    where = "" if group_id is None else f"group {group_id}: "
+    return MetadataError(f"{where}request {req_id!r}: block ids {ids!r} are not integers ({exc})")
 
 class _Table:
     """One group's host block table: int32 [rows, width] (grown by doubling) + lengths."""
@@ -72,7 +86,15 @@ class _Table:
         self.ids = wider
 
     def _checked(self, req_id: Hashable, ids: Sequence[int]) -> Sequence[int] | np.ndarray:
-        if len(ids) <= 8:  # a step's appends are a block or two: plain Python is faster
+        try:
+            return self._in_range(req_id, ids)
+        except PagedKVError:  # (InvalidArgumentError is a ValueError too)
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:  # not integers at all
+            raise _not_ids(self.group.id, req_id, ids, exc) from None
+
+    def _in_range(self, req_id: Hashable, ids: Sequence[int]) -> Sequence[int] | np.ndarray:
+        if len(ids) <= 8 and all(type(x) is int for x in ids):  # a step's appends are a block or two: plain Python is faster
             for x in ids:
                 if not 0 <= x < self.limit:
                     raise MetadataError(
@@ -80,7 +102,7 @@ class _Table:
                         f"{int(x)}, outside the group's {self.limit} blocks"
                     )
             return ids
-        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        arr = _int64(ids)
         if arr.size:
             bad = np.nonzero((arr < 0) | (arr >= self.limit))[0]
             if bad.size:
@@ -224,39 +246,12 @@ class MetadataBuilder:
             rows = list(map(self._rows.__getitem__, req_ids))
         except KeyError as e:
             raise InvalidArgumentError(f"request {e.args[0]!r} is not in the builder") from None
-        checked = []
-        for gid, ids in block_ids.items():
-            table = self._tables[gid]
-            if type(ids) is list and len(ids) <= _SMALL_APPEND:
-                # a decode step's few openings: checked in Python, written from the list
-                if len(ids) != len(rows):
-                    raise InvalidArgumentError(
-                        f"append_each: group {gid} has {len(ids)} block ids for "
-                        f"{len(rows)} requests"
-                    )
-                if ids and (max(ids) >= table.limit or min(ids) < 0):
-                    i = next(i for i, x in enumerate(ids) if not 0 <= x < table.limit)
-                    raise MetadataError(
-                        f"group {gid}: request {req_ids[i]!r} was given block id {int(ids[i])}, "
-                        f"outside the group's {table.limit} blocks"
-                    )
-                checked.append((table, ids))
-                continue
-            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-            if arr.shape[0] != len(rows):
-                raise InvalidArgumentError(
-                    f"append_each: group {gid} has {arr.shape[0]} block ids for "
-                    f"{len(rows)} requests"
-                )
-            # one reduction (a negative id reads as huge unsigned); the offending entry is
-            # looked for only when there is one
-            if arr.shape[0] and int(_max(arr.view(np.uint64))) >= table.limit:
-                i = int(np.flatnonzero((arr < 0) | (arr >= table.limit))[0])
-                raise MetadataError(
-                    f"group {gid}: request {req_ids[i]!r} was given block id {int(arr[i])}, "
-                    f"outside the group's {table.limit} blocks"
-                )
-            checked.append((table, arr))
+        try:
+            checked = self._each_checked(req_ids, rows, block_ids)
+        except PagedKVError:  # (InvalidArgumentError is a ValueError too)
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:  # not integers at all
+            raise _not_ids(None, req_ids, block_ids, exc) from None
         at = None
         for table, arr in checked:  # every group checked before any changes
             if type(arr) is list:  # a few: one at a time (through memoryviews, which index
@@ -281,6 +276,44 @@ class MetadataBuilder:
             table.ids[at, cols] = arr
             cols += 1
             table.lens[at] = cols
+
+    def _each_checked(self, req_ids, rows, block_ids) -> list:
+        """:meth:`append_each`'s checks of every group's ids: (table, ids) pairs."""
+        checked = []
+        for gid, ids in block_ids.items():
+            table = self._tables[gid]
+            if (type(ids) is list and len(ids) <= _SMALL_APPEND
+                    and all(type(x) is int for x in ids)):
+                # a decode step's few openings: checked in Python, written from the list
+                if len(ids) != len(rows):
+                    raise InvalidArgumentError(
+                        f"append_each: group {gid} has {len(ids)} block ids for "
+                        f"{len(rows)} requests"
+                    )
+                if ids and (max(ids) >= table.limit or min(ids) < 0):
+                    i = next(i for i, x in enumerate(ids) if not 0 <= x < table.limit)
+                    raise MetadataError(
+                        f"group {gid}: request {req_ids[i]!r} was given block id {int(ids[i])}, "
+                        f"outside the group's {table.limit} blocks"
+                    )
+                checked.append((table, ids))
+                continue
+            arr = _int64(ids)
+            if arr.shape[0] != len(rows):
+                raise InvalidArgumentError(
+                    f"append_each: group {gid} has {arr.shape[0]} block ids for "
+                    f"{len(rows)} requests"
+                )
+            # one reduction (a negative id reads as huge unsigned); the offending entry is
+            # looked for only when there is one
+            if arr.shape[0] and int(_max(arr.view(np.uint64))) >= table.limit:
+                i = int(np.flatnonzero((arr < 0) | (arr >= table.limit))[0])
+                raise MetadataError(
+                    f"group {gid}: request {req_ids[i]!r} was given block id {int(arr[i])}, "
+                    f"outside the group's {table.limit} blocks"
+                )
+            checked.append((table, arr))
+        return checked
 
     def set_blocks(self, req_id: Hashable, block_ids: Mapping[int, Sequence[int]]) -> None:
         """Replace the block lists of the groups named (rollback of lookahead blocks, a
