@@ -488,6 +488,34 @@ def test_bad_calls_raise_explicit_errors():
         m.commit("a", 6)
 
 
+@pytest.mark.parametrize("bad", [1.5, float("nan"), "1", None])
+def test_counts_and_tokens_that_are_not_integers_raise_and_change_nothing(bad):
+    """A fractional or NaN count passed every range check and corrupted the request
+    (found by random calls); strings and None were TypeErrors. Now each is refused up
+    front, the manager unchanged (checked mode sweeps its invariants after every call)."""
+    np = pytest.importorskip("numpy")
+    m = make(full_only())
+    prefill(m, "a", tokens(5))
+    before = (m.block_tables("a"), m.num_computed("a"), m.num_tokens("a"))
+    calls = [lambda: m.commit("a", bad, [7]), lambda: m.commit("a", 1, [bad]),
+             lambda: m.commit_batch(["a"], [bad]), lambda: m.allocate("a", bad),
+             lambda: m.allocate("a", 1, bad), lambda: m.allocate_batch(["a"], bad),
+             lambda: m.add_request("b", [1, bad])]
+    if bad is not None:  # (None: no limit)
+        calls.append(lambda: m.add_request("c", [1], max_new_tokens=bad))
+    for call in calls:
+        with pytest.raises(InvalidArgumentError, match="integer|token ids"):
+            call()
+        assert (m.block_tables("a"), m.num_computed("a"), m.num_tokens("a")) == before
+    assert "b" not in m.requests and "c" not in m.requests
+    m.check_invariants()
+    # numpy integers are integers
+    assert m.allocate("a", np.int64(1))
+    m.commit("a", np.int64(1), [np.int32(9)])
+    m.commit_batch([], [])
+    assert m.num_computed("a") == before[1] + 1 and m.num_tokens("a") == before[2] + 1
+
+
 def test_batch_calls_match_per_request_calls():
     one, batch = make(gpt_oss_like()), make(gpt_oss_like())
     for m in (one, batch):

@@ -18,6 +18,7 @@ and hashes and caches the blocks its boundary ones filled after, in one loop
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -57,6 +58,25 @@ def _null_pages(groups: Iterable[Group]) -> int:
     """Null blocks a pool serving ``groups`` reserves: one if any group needs it."""
     return max((reserved_blocks(g.retention) for g in groups), default=0)
 
+
+
+_INT = frozenset((int,))  # (a C-level type check of a token list: _INT.issuperset(map(type, ...)))
+
+
+def _index(what: str, value: object) -> int:
+    """An integer argument (numpy's too) as int; InvalidArgumentError for a float, a string,
+    None: a fractional or NaN count would pass the range checks and corrupt a request."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
+
+
+def _token_ids(what: str, tokens: object) -> list[int]:
+    """Token ids as a list of ints (the hot paths take lists of ints as they are)."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise InvalidArgumentError(f"{what} must be a sequence of token ids, got {tokens!r}")
+    return [_index(what, t) for t in tokens]
 
 class _Revived(dict):
     """Pool id -> hit blocks an admission takes back out of the pool's LRU. A plain
@@ -360,8 +380,13 @@ class KVCacheManager:
         inputs, folded into the hash of every block they touch."""
         if request_id in self._reqs:
             raise InvalidArgumentError(f"request {request_id!r} is already registered")
+        if (type(prompt_tokens) not in (list, tuple)
+                or not _INT.issuperset(map(type, prompt_tokens))):
+            prompt_tokens = _token_ids("prompt_tokens", prompt_tokens)
         if not prompt_tokens:
             raise InvalidArgumentError(f"request {request_id!r} has an empty prompt")
+        if max_new_tokens is not None:
+            max_new_tokens = _index("max_new_tokens", max_new_tokens)
         if max_new_tokens is not None and max_new_tokens < 0:
             raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self.check_fits(len(prompt_tokens) + (max_new_tokens or 0))
@@ -402,7 +427,8 @@ class KVCacheManager:
         except KeyError:
             req = self._req(request_id)
         # fast_limit is -1 while a looked-up hit waits to be adopted
-        if (req.num_computed + num_new_tokens + num_lookahead <= req.fast_limit
+        if (type(num_new_tokens) is int and type(num_lookahead) is int
+                and req.num_computed + num_new_tokens + num_lookahead <= req.fast_limit
                 and num_new_tokens >= 0 and num_lookahead >= 0):
             return True
         return self._allocate_slow(req, num_new_tokens, num_lookahead)
@@ -411,6 +437,8 @@ class KVCacheManager:
                        num_lookahead: int = 0) -> int:
         """``allocate`` for each request in order (a decode step: one token each); stops at
         the first that does not fit and returns how many got their slots."""
+        num_new_tokens = _index("num_new_tokens", num_new_tokens)
+        num_lookahead = _index("num_lookahead", num_lookahead)
         if num_new_tokens < 0 or num_lookahead < 0:
             raise InvalidArgumentError(
                 f"token counts must be >= 0, got {num_new_tokens} and {num_lookahead}")
@@ -503,6 +531,7 @@ class KVCacheManager:
         return -1
 
     def _allocate_slow(self, req: RequestState, n: int, lookahead: int) -> bool:
+        n, lookahead = _index("num_new_tokens", n), _index("num_lookahead", lookahead)
         if n < 0 or lookahead < 0:
             raise InvalidArgumentError(f"token counts must be >= 0, got {n} and {lookahead}")
         pending = req.pending
@@ -836,6 +865,11 @@ class KVCacheManager:
             req = self._reqs[request_id]
         except KeyError:
             req = self._req(request_id)
+        if type(num_computed) is not int:
+            num_computed = _index("num_computed", num_computed)
+        if new_tokens and (type(new_tokens) not in (list, tuple)
+                           or not _INT.issuperset(map(type, new_tokens))):
+            new_tokens = _token_ids("new_tokens", new_tokens)
         c = req.num_computed + num_computed
         tokens = req.tokens
         # slot_limit is -1 while a looked-up hit waits to be adopted
@@ -844,7 +878,7 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"request {request_id!r}: cannot commit {num_computed} tokens at "
                 f"{req.num_computed} (slots up to {req.slot_limit}, {len(tokens)} tokens + "
-                f"{len(new_tokens)} new)"
+                f"{len(new_tokens) if new_tokens else 0} new)"
             )
         if new_tokens:
             tokens += new_tokens
@@ -858,6 +892,8 @@ class KVCacheManager:
         would cost every step), and since the lookahead blocks a boundary commit gives back
         are given back after the step's plain commits, a later entry of it may commit into
         them, which per-request ``commit`` calls refuse."""
+        if type(new_tokens) is not list or not _INT.issuperset(map(type, new_tokens)):
+            new_tokens = _token_ids("new_tokens", new_tokens)
         if len(request_ids) != len(new_tokens):
             raise InvalidArgumentError(
                 f"{len(request_ids)} requests but {len(new_tokens)} sampled tokens")
