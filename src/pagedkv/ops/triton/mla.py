@@ -446,10 +446,10 @@ def launch_defaults(rows_per_request: int, block_size: int, f32: bool, fp8: bool
     sizes that are multiples of 64, ``gluon`` (the Hopper kernels, where they run). fp8 caches:
     the pointer kernel (a TMA tile converted to bf16 in registers spills), except <= 16 rows
     per request on blocks of multiples of 64, where ``gluon`` (per-tensor e4m3 with a float
-    scale: ``mla_gluon_e4m3``, both products on e4m3 MMAs, 0.75x the bf16 Gluon kernel's
-    time; fp8_ds_mla: ``mla_gluon_ds``, warp-specialized, 150 us where its one-warpgroup form
-    (deleted since) took 195 and the pointer kernel 396; H200 B64 ctx8K h16 q1, 2026-12-04
-    19:52, 20:31 and 17:12 UTC, docs/kernels-log.md; ``mla_gluon.supported``
+    scale: ``mla_gluon_e4m3``, both products on e4m3 MMAs, 0.64x the bf16 Gluon kernel's
+    time; fp8_ds_mla: ``mla_gluon_ds``, warp-specialized, 140 us where the pointer kernel
+    took 396; H200 B64 ctx8K h16 q1, 2026-12-04 21:37 and 17:12 UTC,
+    docs/kernels-log.md; ``mla_gluon.supported``
     sends the rest back to the pointer kernel with this config, e.g. any call off Hopper).
     ``waves``: programs per multiprocessor that the KV splits aim at (rounded down: a second
     partial wave cost more than it gained in the sweeps)."""
