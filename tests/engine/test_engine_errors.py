@@ -31,12 +31,14 @@ def engine():
 
 def test_bad_requests_fail_alone(engine):
     good = [1, 2, 3, 4, 5]
-    outs = engine.generate([good, [7] * 30, [1, 999], [], "text", good],
+    # (1.5 was truncated to token 1; "a", [1] and 7 were a ValueError/TypeError)
+    outs = engine.generate([good, [7] * 30, [1, 999], [], "text", [1.5], ["a"], [[1]], 7,
+                            torch.tensor(good)],
                            SamplingParams(max_new_tokens=4, ignore_eos=True))
     kinds = [type(o.error) if o.error else None for o in outs]
-    assert kinds == [None, RequestTooLargeError, RequestError, RequestError, RequestError, None]
-    assert [len(o.token_ids) for o in outs] == [4, 0, 0, 0, 0, 4]
-    assert outs[0].token_ids == outs[5].token_ids  # greedy, same prompt
+    assert kinds == [None, RequestTooLargeError] + [RequestError] * 7 + [None]
+    assert [len(o.token_ids) for o in outs] == [4] + [0] * 8 + [4]
+    assert outs[0].token_ids == outs[9].token_ids  # greedy, same prompt (a tensor's ids)
     assert "max_model_len 32" in str(outs[1].error)
     assert "999" in str(outs[2].error)
     assert sum(engine.manager.blocks_used()) == 0

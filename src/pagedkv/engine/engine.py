@@ -9,6 +9,7 @@ output; the other requests finish. :meth:`Engine.add_request` raises those error
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -160,7 +161,11 @@ class Engine:
                 raise RequestError("a text prompt needs a tokenizer; this model has none "
                                    "(pass token ids)")
             return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
+        try:  # (operator.index: ints of any kind, tensors' and numpy's too; no 1.5, no "a")
+            return [operator.index(t) for t in prompt]
+        except TypeError:
+            raise RequestError(
+                f"a prompt is text or a sequence of token ids, got {prompt!r:.60}") from None
 
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams = GREEDY,
                     rid: object = None) -> object:
@@ -233,7 +238,10 @@ class Engine:
             try:
                 rid = self.add_request(prompt, p)
             except PagedKVError as exc:
-                ids = [] if isinstance(prompt, str) else list(prompt)
+                try:  # the prompt's ids where it has some (none: text, or not ids at all)
+                    ids = [] if isinstance(prompt, str) else self.encode(prompt)
+                except PagedKVError:
+                    ids = []
                 outputs.append(RequestOutput(None, ids, finish_reason="error", error=exc))
                 rids.append(None)
                 continue
