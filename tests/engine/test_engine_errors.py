@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from engine_check import options  # noqa: E402
 
-from pagedkv.engine import Engine, SamplingParams  # noqa: E402
+from pagedkv.engine import Engine, EngineOptions, SamplingParams  # noqa: E402
 from pagedkv.engine.tiny import tiny_model  # noqa: E402
 from pagedkv.errors import (  # noqa: E402
     CheckpointError,
@@ -140,3 +140,21 @@ def test_sampling_params_take_numpy_numbers():
     np = pytest.importorskip("numpy")
     sp = SamplingParams(temperature=np.float32(0.5), stop_token_ids=[np.int64(7), 9])
     assert sp.stop_token_ids == (7, 9) and all(type(t) is int for t in sp.stop_token_ids)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"block_size": 0}, "block_size"), ({"max_batched_tokens": None}, "max_batched_tokens"),
+    ({"max_running": 1.5}, "max_running"), ({"kv_cache_bytes": "1GiB"}, "kv_cache_bytes"),
+    ({"max_model_len": "64"}, "max_model_len"), ({"seed": None}, "seed"),
+    ({"spec_tokens": -1}, "spec_tokens"), ({"device": "tpu"}, "device"),
+    ({"device": None}, "device"),
+])
+def test_engine_options_of_the_wrong_kind_raise_at_once(kwargs, needle):
+    # (were TypeErrors and RuntimeErrors from the planner, the allocator or torch)
+    with pytest.raises(InvalidArgumentError, match=needle):
+        EngineOptions(**kwargs)
+
+
+def test_spec_tokens_must_leave_room_within_max_model_len():
+    with pytest.raises(InvalidArgumentError, match="spec_tokens 64 leave no room"):  # (was a
+        Engine(tiny_model("llama-3-8b"), options(max_model_len=64, spec_tokens=64))  # MemoryError

@@ -78,6 +78,33 @@ class EngineOptions:
     metadata: str = "persistent"
     derive_on_device: bool | None = None
 
+    def __post_init__(self) -> None:
+        """Every count an integer in its range, the device one torch knows: a wrong kind
+        failed deep in the planner, the allocator or torch (a TypeError, a MemoryError)."""
+        for name, low, optional in _COUNTS:
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise InvalidArgumentError(
+                    f"EngineOptions.{name} must be an integer >= {low}"
+                    f"{' or None' if optional else ''}, got {value!r}")
+        if not isinstance(self.device, (str, torch.device)):
+            raise InvalidArgumentError(f"EngineOptions.device must be a device name, got "
+                                       f"{self.device!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise InvalidArgumentError(f"EngineOptions.device {self.device!r}: {exc}") from None
+
+
+# (field, smallest value, None allowed) of EngineOptions' integer fields
+_COUNTS = (("block_size", 1, False), ("max_model_len", 1, True),
+           ("max_batched_tokens", 1, False), ("max_running", 1, False),
+           ("kv_cache_bytes", 1, True), ("recurrent_checkpoint_every", 1, True),
+           ("seed", -(1 << 63), False), ("shuffle_seed", -(1 << 63), True),
+           ("spec_tokens", 0, False))
+
 
 @dataclass
 class RequestOutput:
@@ -112,6 +139,9 @@ class Engine:
         if self.max_model_len is None:
             raise InvalidArgumentError("max_model_len is unknown: the config has no "
                                        "max_position_embeddings; pass EngineOptions.max_model_len")
+        if options.spec_tokens >= self.max_model_len:
+            raise InvalidArgumentError(f"spec_tokens {options.spec_tokens} leave no room within "
+                                       f"max_model_len {self.max_model_len}")
         self.specs = self.layer_specs()
         if options.kv_cache_bytes is None:
             plan_bytes = _room_for(self.specs, AUTO_REQUESTS, self.max_model_len,
