@@ -154,9 +154,12 @@ class Engine:
             budget_bytes=plan_bytes, max_model_len=self.max_model_len,
             block_size=options.block_size, max_batched_tokens=options.max_batched_tokens))
         _check_memory(self.plan, self.device, 2 if self.dtype == torch.float32 else 1)
+        # fixed pools: the cache tensors are the plan's pools, allocated once; an elastic
+        # manager's ceilings (pools growing into each other's bytes) would hand out block
+        # ids past them (the runner refuses such a manager)
         self.manager = KVCacheManager.from_plan(
-            self.plan, enable_caching=options.enable_prefix_caching, checked=options.checked,
-            recurrent_checkpoint_every=options.recurrent_checkpoint_every)
+            self.plan, elastic=False, enable_caching=options.enable_prefix_caching,
+            checked=options.checked, recurrent_checkpoint_every=options.recurrent_checkpoint_every)
         self.runner = ModelRunner(self.model, self.plan, self.specs, self.manager,
                                   device=self.device, kv_dtype=self.dtype,
                                   debug_nan=options.debug_nan, shuffle_seed=options.shuffle_seed,

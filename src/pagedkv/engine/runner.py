@@ -74,6 +74,7 @@ class ModelRunner:
         self.group_tensors = {
             g.id: [t for name in g.layer_names for t in self.caches.get(name, {}).values()]
             for g in plan.groups}
+        _check_capacity(manager, self.gids, self.group_tensors)
         self.attn_groups = [g for g in plan.groups if not g.is_recurrent]
         self.recurrent_gids = frozenset(g.id for g in plan.groups if g.is_recurrent)
         # set by engine.speculative, which restores recurrent states after a verify pass
@@ -198,3 +199,21 @@ class ModelRunner:
             if pages:
                 for t in self.group_tensors[self.gids[i]]:
                     fill_nan_(t, pages)
+
+
+def _check_capacity(manager: KVCacheManager, gids: Sequence[int], group_tensors: Mapping[int, list[torch.Tensor]]
+                    ) -> None:
+    """Every block id the manager can hand a group indexes its cache tensors: a pool with
+    more blocks than the tensors' first dimension (an elastic manager's ceiling over
+    tensors of the plan's fixed size) would index past them, an IndexError on the CPU and
+    out-of-bounds reads and writes in a GPU kernel."""
+    for gm, gid in zip(manager.managers, gids):
+        tensors = group_tensors.get(gid)
+        if not tensors:
+            continue
+        rows = min(t.shape[0] for t in tensors)
+        if gm.pool.num_blocks > rows:
+            raise InvalidArgumentError(
+                f"group {gid}: the block manager's pool hands out {gm.pool.num_blocks} block "
+                f"ids but the cache tensors hold {rows} (an elastic manager over fixed "
+                "tensors? build it with KVCacheManager.from_plan(plan, elastic=False))")
