@@ -17,7 +17,9 @@ ARGS = ("--tiny", "deepseek-v3", "--prompts", "3", "--prompt-len", "12", "--max-
 @pytest.mark.parametrize("draft, rate, tiny", [("scripted", 1.0, "deepseek-v3"),
                                                ("mtp", None, "deepseek-v3"),
                                                ("dspark", None, "deepseek-v3"),
-                                               ("eagle3", None, "llama-3-8b")])
+                                               ("eagle3", None, "llama-3-8b"),
+                                               # per-layer-type RoPE (was a KeyError)
+                                               ("eagle3", None, "gemma-3-27b")])
 def test_speculative_generate_is_lossless(cli, draft, rate, tiny):
     args = list(ARGS)
     args[1] = tiny
@@ -73,6 +75,8 @@ def test_tiny_kimi_k3_with_dspark_is_lossless_with_hits(cli):
 @pytest.mark.parametrize("argv, message", [
     (("--tiny", "deepseek-v3", "--draft", "eagle3"), "drafts for GQA targets"),
     (("--tiny", "llama-3-8b", "--draft", "dspark"), "needs an MLA target"),
+    # no RoPE or RMS epsilon to build the layer from (was an AttributeError traceback)
+    (("--tiny", "nemotron-h-8b", "--draft", "eagle3"), "no rope_parameters, rms_norm_eps"),
     (("--tiny", "llama-3-8b", "--draft", "mtp"), "no MTP layers"),
     (("--tiny", "llama-3-8b", "--spec-tokens", "2"), "--spec-tokens needs --draft"),
     (("--tiny", "llama-3-8b", "--draft", "scripted", "--spec-tokens", "40",

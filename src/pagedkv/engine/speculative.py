@@ -522,6 +522,13 @@ def make_drafter(name: str, config: Any, *, script: Mapping[object, Sequence[int
         if getattr(config, "kv_lora_rank", None) is not None:
             raise UnsupportedCapabilityError("--draft eagle3 drafts for GQA targets (Llama "
                                              "family); use mtp or dspark for MLA targets")
+        missing = [k for k in ("rope_parameters", "rms_norm_eps", "num_key_value_heads",
+                               "intermediate_size") if getattr(config, k, None) is None]
+        if missing:  # its layer takes these from the target (Nemotron-H: no RoPE, no RMS eps)
+            raise UnsupportedCapabilityError(
+                f"--draft eagle3 builds its layer from a Llama-like target config; "
+                f"{(getattr(config, 'architectures', None) or ['this model'])[0]} has no "
+                f"{', '.join(missing)}")
         torch.manual_seed(seed)
         module = Eagle3Model(config, default_layers(int(config.num_hidden_layers)))
         gen = torch.Generator().manual_seed(seed)

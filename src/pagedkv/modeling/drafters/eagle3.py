@@ -52,7 +52,9 @@ class Eagle3Model(nn.Module):
         self.mlp = GatedMLP(h, config.intermediate_size)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
-        self.rope = Rope(config, head_dim)
+        # a full-attention layer: the target's global RoPE where its bases differ by layer
+        # type (Gemma 3's local and global); ignored where they do not
+        self.rope = Rope(config, head_dim, "full_attention")
 
     def forward(self, input_ids: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
