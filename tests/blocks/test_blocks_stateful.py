@@ -90,6 +90,10 @@ def _manager(kind):
         return KVCacheManager(full_only(num_blocks=40, bs=4), **kw)
     if kind == "window":
         return KVCacheManager(gpt_oss_like(num_blocks=40, bs=4, window=8), **kw)
+    if kind == "window-shared":  # one fixed pool under both groups, short of blocks: a
+        # group's new blocks evict cached ones the other group's hit is about to take
+        return KVCacheManager(gpt_oss_like(num_blocks=40, bs=4, window=8),
+                              pools={0: ((0, 1), 40)}, **kw)
     if kind == "kimi":
         return KVCacheManager(kimi_dspark_like(num_blocks=40, bs=4, slots=6), **kw)
     if kind == "mtp":
@@ -234,7 +238,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.m.check_invariants()
 
 
-KINDS = ["full", "window", "kimi", "mtp", "elastic", "elastic-async", "elastic-uneven",
+KINDS = ["full", "window", "window-shared", "kimi", "mtp", "elastic", "elastic-async", "elastic-uneven",
          "real-llama",
          "real-gpt-oss", "real-kimi-dspark", "real-deepseek-mtp"]
 

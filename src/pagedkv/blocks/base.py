@@ -106,27 +106,36 @@ class GroupManager:
         null = self.pool.null
         return [b for b in hit if b != null and ref[b] == 0]
 
-    def allocate(self, req: RequestState, end: int, hit: list[BlockId] | None) -> None:
+    def adopt(self, req: RequestState, hit: list[BlockId] | None) -> None:
+        """Phase one of an allocation with a prefix hit: the hit's blocks leave the LRU
+        for the request's table. The manager has every group adopt its hit before any
+        group allocates (:meth:`allocate`), so a pool that several groups share never
+        evicts one group's hit blocks to make room for another group's new blocks."""
+        if hit is None:
+            return
         i = self.index
+        self.pool.touch(hit, self.gid)
+        req.tables[i] = list(hit)
+        self.changed.append(req)
+        req.ncached[i] = req.pending.tokens // self.bs
+
+    def allocate(self, req: RequestState, end: int, hit: list[BlockId] | None) -> None:
+        """Phase two, after :meth:`adopt`: a hit ending inside its last block gets a copy
+        of it, then new blocks up to ``end``."""
+        i = self.index
+        table = req.tables[i]
         if hit is not None:
-            pool = self.pool
             h = req.pending.tokens
-            pool.touch(hit, self.gid)
-            req.tables[i] = table = list(hit)
-            self.changed.append(req)
-            req.ncached[i] = h // self.bs
             if h % self.bs:  # the hit ends inside its last block: copy it, never write it
                 src = table.pop()
                 if not self.partial_ok(src):
                     raise CacheCorruptedError(
                         f"request {req.id!r} group {self.gid}: a hit of {h} tokens would copy "
                         f"block {src} before the forward that writes it")
-                dst = pool.allocate(1, self.gid)[0]
+                dst = self.pool.allocate(1, self.gid)[0]
                 table.append(dst)
                 req.set_copy_src(i, src)
                 self.ops.append(CopyOp("copy", self.gid, src, dst, h))
-        else:
-            table = req.tables[i]
         need = cdiv(end, self.bs) - len(table)
         if need > 0:
             table += self.pool.allocate(need, self.gid)

@@ -22,6 +22,9 @@ class CrossManager(GroupManager):
     def blocks_needed(self, req: RequestState, end: int, hit: list[int] | None) -> int:
         return 0 if req.tables[self.index] else self.fixed_blocks
 
+    def adopt(self, req: RequestState, hit: list[int] | None) -> None:
+        """Nothing to adopt ahead: :meth:`allocate` handles the hit itself."""
+
     def allocate(self, req: RequestState, end: int, hit: list[int] | None) -> None:
         if not req.tables[self.index]:
             self.changed.append(req)

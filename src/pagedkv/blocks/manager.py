@@ -576,10 +576,23 @@ class KVCacheManager:
                     short.append((pool, k))
         for pool, k in short:
             self._make_room(pool, k)  # checkpoints never block an allocation
-        for m in self.managers:
-            m.allocate(req, end, hits[m.index] if hits is not None else None)
+        self._allocate_groups(req, end, hits, self.managers)
         self._after_allocate(req, pending, start, n, end)
         return True
+
+    def _allocate_groups(self, req: RequestState, end: int, hits: list[list[BlockId]] | None,
+                         order: Sequence[GroupManager]) -> None:
+        """Every group adopts its hit blocks first, then each in ``order`` allocates: a
+        group's new blocks may evict cached blocks of a pool it shares, never another
+        group's hit (the fit checks counted those as taken)."""
+        if hits is None:
+            for m in order:
+                m.allocate(req, end, None)
+            return
+        for m in self.managers:
+            m.adopt(req, hits[m.index])
+        for m in order:
+            m.allocate(req, end, hits[m.index])
 
     def _grow(self, req: RequestState, end: int) -> bool:
         """A decode step's next blocks when every group is full attention in a pool of its
@@ -681,8 +694,7 @@ class KVCacheManager:
             self._raise_if_never(req, end)
             return False
         if not costly and not lean:  # the common case: every pool's blocks fit as they are
-            for m in self.managers:
-                m.allocate(req, end, hits[m.index] if hits is not None else None)
+            self._allocate_groups(req, end, hits, self.managers)
             self._after_allocate(req, pending, start, n, end)
             return True
         # pools that map new pages go last, protected from each other's reclaim; the
@@ -693,11 +705,8 @@ class KVCacheManager:
         for pool in lean:
             pool.lean = True  # type: ignore[attr-defined]
         try:
-            for m in self.managers:
-                if m.pool not in costly:
-                    m.allocate(req, end, hits[m.index] if hits is not None else None)
-            for m in late:
-                m.allocate(req, end, hits[m.index] if hits is not None else None)
+            self._allocate_groups(
+                req, end, hits, [m for m in self.managers if m.pool not in costly] + late)
         finally:
             for pool in self.pools:
                 pool.protected = pool.lean = False  # type: ignore[attr-defined]

@@ -153,6 +153,9 @@ class RecurrentManager(GroupManager):
             return 1, [hit[0]]  # type: ignore[index]
         return k, []
 
+    def adopt(self, req: RequestState, hit: list[int] | None) -> None:
+        """Nothing to adopt ahead: :meth:`allocate` handles the hit itself."""
+
     def allocate(self, req: RequestState, end: int, hit: list[int] | None) -> None:
         i = self.index
         if req.tables[i]:
