@@ -147,6 +147,26 @@ def test_workloads_are_deterministic_fit_and_run_clean(name):
     assert r.generated_tokens == sum(x.output_len for x in a)
 
 
+
+@pytest.mark.parametrize("name", ["chat", "shared-prefix", "agentic", "long-context"])
+@pytest.mark.parametrize("max_model_len", [16, 40, 256, 700])
+def test_workloads_fit_short_model_lengths_in_finite_time(name, max_model_len):
+    """A model length shorter than every first turn of a session (agentic at 256: a
+    system prompt of 32 and first contexts of 200-800) made no request, ever: the
+    workload looped forever. Run in a thread so that a hang fails instead of hanging."""
+    import threading
+
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(
+        make_workload(name, 30, seed=5, max_model_len=max_model_len)), daemon=True)
+    t.start()
+    t.join(timeout=20)
+    assert got, f"{name} at max_model_len {max_model_len}: no workload after 20 s"
+    (reqs,) = got
+    assert len(reqs) == 30
+    assert all(r.prompt_tokens and r.output_len >= 1
+               and len(r.prompt_tokens) + r.output_len <= max_model_len for r in reqs)
+
 def test_shared_prefix_workload_hits_all_but_the_first_prompt():
     reqs = make_workload("shared-prefix", 40, max_model_len=4096)
     m = KVCacheManager(full_only(num_blocks=4000, bs=16), max_batched_tokens=8192)

@@ -30,17 +30,25 @@ def _fit(n: int, cap: int) -> int:
 def _sessions(n: int, rng: random.Random, max_len: int, first: tuple[int, int],
               turn: tuple[int, int], out: tuple[int, int], turns: int, gap: int,
               system: tuple[int, ...] = ()) -> list[SimRequest]:
-    """``n`` requests in sessions of ``turns`` turns whose prompts accumulate."""
+    """``n`` requests in sessions of ``turns`` turns whose prompts accumulate. A session
+    ends at the turn that would pass ``max_len``; its first turn shrinks to fit instead
+    (else a ``max_len`` shorter than every first turn made no request, ever: an endless
+    loop), leaving room for at least ``out[0]`` answer tokens or half of what the system
+    prompt leaves."""
     reqs: list[SimRequest] = []
     session = 0
+    room = max_len - len(system)  # (>= 1: the system prompt is at most max_len // 8)
+    least = max(1, min(out[0], room // 2))  # answer tokens the first turn keeps room for
     while len(reqs) < n:
-        context = system + _tokens(rng, rng.randint(*first))
+        context = system + _tokens(rng, _fit(rng.randint(*first), room - least))
         step = session * gap // 4
-        for _ in range(turns):
+        for i in range(turns):
             if len(reqs) >= n:
                 break
             answer_len = rng.randint(*out)
-            if len(context) + answer_len > max_len:
+            if i == 0:
+                answer_len = min(answer_len, max_len - len(context))
+            elif len(context) + answer_len > max_len:
                 break
             answer = _tokens(rng, answer_len)
             reqs.append(SimRequest(context, answer_len, step, answer))
