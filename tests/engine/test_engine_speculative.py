@@ -203,3 +203,41 @@ def test_other_recurrent_targets_roll_back_too(name):
     assert [o.token_ids for o in engine.outputs] == want
     assert 0 < engine.stats.accepted < engine.stats.drafted
     assert max_logit_diff(hf, engine) <= 1e-4
+
+
+def _smallest_budget(hf, **kw):
+    """The fewest cache bytes the engine accepts: a pool that holds one request of
+    max_model_len and nothing more (bisection over EngineOptions.kv_cache_bytes)."""
+    from pagedkv.engine import Engine
+    from pagedkv.errors import DoesNotFitError
+
+    lo, hi = 1, 1 << 22
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            Engine(hf, options(kv_cache_bytes=mid, **kw))
+        except DoesNotFitError:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def test_requests_reaching_max_model_len_stop_drafting_instead_of_failing(llama):
+    """A speculative decode took lookahead slots past max_model_len; in a pool that holds
+    one request of max_model_len and no more, that request could never fit and
+    RequestTooLargeError escaped generate (found by random engine runs). The last
+    tokens now decode one at a time: every request finishes, output as plain greedy."""
+    kw = dict(max_model_len=32, block_size=4, max_batched_tokens=16)
+    budget = _smallest_budget(llama, **kw)
+    ps = prompts(llama.config.vocab_size, (20, 23), seed=9)
+    plain = run(llama, ps, options(kv_cache_bytes=budget, **kw), new=32 - 23)
+    # every draft wrong: one token per step, so the longer request decodes at 29, 30, 31
+    script = {i: _corrupt(o.token_ids, 1, llama.config.vocab_size)
+              for i, o in enumerate(plain.outputs)}
+    engine = SpeculativeEngine(llama, options(spec_tokens=3, kv_cache_bytes=budget, **kw),
+                               ScriptedDrafter(script))
+    spec = run(llama, ps, options(), new=32 - 23, engine=engine)
+    assert [o.token_ids for o in spec.outputs] == [o.token_ids for o in plain.outputs]
+    assert spec.stats.drafted > 0  # it drafted where there was room
+    assert max_logit_diff(llama, spec) <= 1e-4

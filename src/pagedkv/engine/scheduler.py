@@ -164,7 +164,12 @@ class Scheduler:
             rid = req.rid
             done, known = mgr.num_computed(rid), mgr.num_tokens(rid)
             todo = known - done
-            spec = todo == 1 and self.spec_tokens > 0 and budget >= 1 + self.lookahead
+            # a speculative decode takes lookahead slots past its token; within
+            # max_model_len only (past it the plan promises no room: the last tokens decode
+            # one at a time, and a drafter never gets fewer slots than its block needs)
+            spec = (todo == 1 and self.spec_tokens > 0 and budget >= 1 + self.lookahead
+                    and (self.max_model_len is None
+                         or known + self.lookahead <= self.max_model_len))
             n = 1 if spec else min(todo, budget)
             look = self.lookahead if spec else 0
             while not mgr.allocate(rid, n, look):
