@@ -241,3 +241,23 @@ def test_requests_reaching_max_model_len_stop_drafting_instead_of_failing(llama)
     assert [o.token_ids for o in spec.outputs] == [o.token_ids for o in plain.outputs]
     assert spec.stats.drafted > 0  # it drafted where there was room
     assert max_logit_diff(llama, spec) <= 1e-4
+
+
+def test_catch_up_rows_restart_when_a_request_resumes_past_them():
+    """A preempted request came back with a prefix hit longer than what it had computed
+    (another request cached more of the shared prefix): its first rows start past the
+    drafter's catch-up rows. That was an InvalidArgumentError 'catch-up gap' out of
+    generate (random engine runs, EAGLE-3 on Mistral); the hit covers the drafter's group
+    too, so the rows restart at the hit."""
+    from pagedkv.engine.speculative import _keep_rows, _Pending
+
+    pending = {5: _Pending(37, [])}  # caught up to 37 when preempted
+    rows = torch.randn(7, 4)
+    _keep_rows(pending, 5, 39, rows)  # resumed from a hit of 39
+    assert pending[5].start == 39 and len(pending[5].rows) == 7
+    assert torch.equal(torch.stack(pending[5].rows), rows)
+    _keep_rows(pending, 5, 44, rows[:2])  # a later chunk overlapping the rows' tail
+    assert pending[5].start == 39 and len(pending[5].rows) == 7
+    assert torch.equal(pending[5].rows[5], rows[0])
+    _keep_rows(pending, 5, 10, rows[:1])  # computed again from earlier: restarts
+    assert pending[5].start == 10 and len(pending[5].rows) == 1

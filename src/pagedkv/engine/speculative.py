@@ -333,15 +333,14 @@ class _Pending:
 
 def _keep_rows(pending: dict[object, _Pending], rid: object, start: int,
                rows: torch.Tensor) -> None:
-    """Append target rows of positions ``start ..`` to ``rid``'s catch-up rows; a request
-    computed again from an earlier position (preempted, or the first time) restarts."""
+    """Append target rows of positions ``start ..`` to ``rid``'s catch-up rows. A request
+    computed again from an earlier position (preempted, or the first time) restarts, and
+    so does one resumed past its rows: preempted, it came back with a prefix hit longer
+    than what it had computed (another request cached more of the shared prefix), and a
+    hit covers every group, the drafter's KV up to ``start`` included."""
     pend = pending.get(rid)
-    if pend is None or start < pend.start:
+    if pend is None or start < pend.start or start > pend.start + len(pend.rows):
         pend = pending[rid] = _Pending(start, [])
-    end = pend.start + len(pend.rows)
-    if start > end:
-        raise InvalidArgumentError(
-            f"request {rid!r}: drafter catch-up gap at positions {end}..{start - 1}")
     pend.rows = pend.rows[: start - pend.start] + list(rows.detach())
 
 
