@@ -11,7 +11,9 @@ MTP, DSpark, EAGLE-3, where the target supports it) the same prompts run again t
 ``SpeculativeEngine``. What must hold:
 
 - a budget that cannot hold one request is a ``PagedKVError`` from ``Engine(...)``
-  (refused); after that, a request may fail only with a ``PagedKVError`` of its own;
+  (refused); after that, a request may fail only with a ``PagedKVError`` of its own, and
+  not with a broken invariant (``CacheCorruptedError`` from the checked manager,
+  ``MetadataError`` from the ops' checks: harness.INVARIANT_ERRORS);
 - every recorded logit row within 1e-4 of transformers' fp32 forward over the same tokens;
 - speculative: greedy tokens equal to the plain run's, its logits within 1e-4 too, and the
   same requests failing with the same error types.
@@ -123,8 +125,9 @@ def check(case: Case, args: argparse.Namespace) -> list[str]:
         raise harness.Refused(f"{type(e).__name__}: {e}") from None
     params = SamplingParams(max_new_tokens=case.new, ignore_eos=True)
     outs = engine.generate(case.prompts, params)
-    for o in outs:
-        if o.error is not None and not isinstance(o.error, PagedKVError):
+    for o in outs:  # a request's own error: a PagedKVError, and not a broken invariant
+        if o.error is not None and (not isinstance(o.error, PagedKVError)
+                                    or harness.is_invariant_error(o.error)):
             raise o.error
     diff, _ = max_logit_diff(engine, hf, outs)
     errors = [type(o.error).__name__ for o in outs if o.error is not None]
@@ -144,6 +147,9 @@ def check(case: Case, args: argparse.Namespace) -> list[str]:
     except PagedKVError:
         return [*tags, "spec_refused"]  # lookahead slots past the budget: refused up front
     souts = spec.generate(case.prompts, params)
+    for o in souts:
+        if harness.is_invariant_error(o.error):
+            raise o.error
     same = all(a.token_ids == b.token_ids or a.error or b.error for a, b in zip(outs, souts))
     sdiff, _ = max_logit_diff(spec, hf, souts)
     same_errors = [type(o.error) for o in souts] == [type(o.error) for o in outs]

@@ -9,7 +9,9 @@ hold:
   of transformers' own forward), ``lossless`` is not false with a drafter (speculative
   greedy output equals the plain run's), and every request finished;
 - exit 2: exactly one ``pagedkv: error:`` line on stderr besides ``pagedkv: warning:``
-  lines (a refusal the CLI explains, never a traceback);
+  lines (a refusal the CLI explains, never a traceback), and not from a broken invariant
+  (a ``MetadataError`` or ``CacheCorruptedError`` raised inside: harness.INVARIANT_ERRORS;
+  the engine's pools past its cache tensors, 131c67e, showed as such an error line);
 - anything else (another exit status, an exception, a hang past --limit) is BAD/SLOW.
 
 ``--dtypes`` also draws bf16/fp16 models (30% of cases). Off by default: a 16-bit run of a

@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -183,14 +183,56 @@ def main(doc: str | None, add_flags: Callable[[argparse.ArgumentParser], None] |
     sys.exit(run(args, draw, describe, check))
 
 
+# pagedkv's errors that only a broken invariant raises (a block-manager check in checked
+# mode, inconsistent per-step metadata caught by the ops): from a valid command or API
+# call they are a bug even when the CLI prints them as its one error line, or the engine
+# files them as one request's error. pagedkv catches them only to re-raise.
+INVARIANT_ERRORS = ("CacheCorruptedError", "MetadataError")
+
+
+def is_invariant_error(exc: BaseException | None) -> bool:
+    return type(exc).__name__ in INVARIANT_ERRORS
+
+
+@contextlib.contextmanager
+def invariant_errors() -> Iterator[list[str]]:
+    """The INVARIANT_ERRORS created inside the block, as "Name: message" (the CLI turns
+    them into its error line, which hides their class)."""
+    from pagedkv import errors
+
+    seen: list[str] = []
+    patched = []
+    for name in INVARIANT_ERRORS:
+        cls = getattr(errors, name)
+        own = cls.__dict__.get("__init__")
+        base = cls.__init__
+
+        def init(self: BaseException, *a: Any, _base: Any = base, **k: Any) -> None:
+            seen.append(f"{type(self).__name__}: {a[0] if a else ''}")
+            _base(self, *a, **k)
+
+        cls.__init__ = init
+        patched.append((cls, own))
+    try:
+        yield seen
+    finally:
+        for cls, own in patched:
+            if own is None:
+                del cls.__init__
+            else:
+                cls.__init__ = own
+
+
 # the two command-line fuzzers (generate.py, simulate.py)
 
 def run_cli(argv: list[str]) -> tuple[object, str, str]:
-    """(exit status, stdout, stderr) of ``pagedkv ARGV`` run in this process."""
+    """(exit status, stdout, stderr) of ``pagedkv ARGV`` run in this process; an invariant
+    error raised inside is BAD whatever the exit status."""
     from pagedkv.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with (invariant_errors() as broken, contextlib.redirect_stdout(out),
+          contextlib.redirect_stderr(err)):
         try:
             rc = main(argv)
         except SystemExit as e:
@@ -198,6 +240,9 @@ def run_cli(argv: list[str]) -> tuple[object, str, str]:
         except Exception:  # a traceback out of main: BAD, with what it printed before
             rc = "exception"
             err.write(traceback.format_exc())
+    if broken:
+        raise Bad(f"exit status {rc!r} after an invariant error: {broken[0]}\n"
+                  f"stderr: {err.getvalue()[-1500:]}")
     return rc, out.getvalue(), err.getvalue()
 
 

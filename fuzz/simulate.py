@@ -9,7 +9,9 @@ random lookahead and acceptance. ``--checked`` verifies the manager's invariants
 every call (a block in two tables, a wrong refcount, a leak). What must hold:
 
 - exit 0 with JSON on stdout;
-- exit 2: exactly one ``pagedkv: error:`` line besides ``pagedkv: warning:`` lines;
+- exit 2: exactly one ``pagedkv: error:`` line besides ``pagedkv: warning:`` lines, and
+  not from a broken invariant (``CacheCorruptedError``, ``MetadataError`` raised inside:
+  harness.INVARIANT_ERRORS; the CLI prints them as its one error line);
 - no hang: a case still running after --limit seconds (default 30; the longest cases take
   a few seconds) is SLOW.
 
