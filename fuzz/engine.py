@@ -180,4 +180,4 @@ def setup(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    harness.main(__doc__, add_flags, draw, describe, check, limit=600, setup=setup)
+    harness.main(__doc__, add_flags, draw, describe, check, limit=300, setup=setup)

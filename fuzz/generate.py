@@ -88,4 +88,4 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    harness.main(__doc__, add_flags, draw, describe, check, limit=300)
+    harness.main(__doc__, add_flags, draw, describe, check, limit=120)

@@ -101,4 +101,4 @@ def setup(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    harness.main(__doc__, None, draw, describe, check, limit=600, setup=setup)
+    harness.main(__doc__, None, draw, describe, check, limit=120, setup=setup)
