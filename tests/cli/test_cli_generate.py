@@ -53,7 +53,7 @@ def _folder(tmp_path, capsys, arch="llama-3-8b"):
 
 
 @pytest.mark.parametrize("case", ["no-config", "no-weights", "misshapen", "missing",
-                                  "architecture", "not-a-folder"])
+                                  "architecture", "not-a-folder", "bad-field", "json-list"])
 def test_bad_checkpoints_exit_2_with_one_line(cli, tmp_path, capsys, case):
     import torch
     from safetensors.torch import load_file, save_file
@@ -76,9 +76,14 @@ def test_bad_checkpoints_exit_2_with_one_line(cli, tmp_path, capsys, case):
             else:
                 state[name] = torch.zeros(3, 3)
             save_file(state, weights)
+        elif case == "json-list":
+            (tmp_path / "config.json").write_text("[1, 2]")
         else:
             cfg = json.loads((tmp_path / "config.json").read_text())
-            cfg["architectures"] = ["LlamaForTokenClassification"]
+            if case == "bad-field":  # transformers' strict fields: a multi-line message
+                cfg["hidden_size"] = "big"
+            else:
+                cfg["architectures"] = ["LlamaForTokenClassification"]
             (tmp_path / "config.json").write_text(json.dumps(cfg))
     res = cli("generate", "--model", target, "--prompts", "1", "--max-new-tokens", "2")
     assert res.code == 2
@@ -86,7 +91,8 @@ def test_bad_checkpoints_exit_2_with_one_line(cli, tmp_path, capsys, case):
     assert "Traceback" not in res.err
     expected = {"no-config": "config.json", "no-weights": "safetensors",
                 "misshapen": "up_proj", "missing": "up_proj",
-                "architecture": "LlamaForTokenClassification", "not-a-folder": "not a folder"}
+                "architecture": "LlamaForTokenClassification", "not-a-folder": "not a folder",
+                "bad-field": "hidden_size", "json-list": "not a JSON object"}
     assert expected[case] in res.err
 
 
@@ -98,6 +104,41 @@ def test_checkpoint_folder_verifies(cli, tmp_path, capsys):
     report = res.json()
     assert report["architecture"] == "MistralForCausalLM"
     assert report["match"] is True
+
+
+def test_kimi_k2_runs_on_deepseek_v3_code(cli):
+    """Kimi K2's config names model_type kimi_k2, which transformers has no class for, and
+    DeepSeek-V3's architecture: it is read as a deepseek_v3 config (was a refusal)."""
+    res = cli("generate", "--tiny", "kimi-k2", "--prompts", "2", "--prompt-len", "10",
+              "--max-new-tokens", "3", "--verify", "--json")
+    report = res.json()
+    assert report["architecture"] == "DeepseekV3ForCausalLM"
+    assert report["match"] is True and report["tokens_generated"] == 6
+
+
+def test_aliased_model_type_checkpoint_verifies(cli, tmp_path, capsys):
+    """A checkpoint folder as Kimi K2 ships it (model_type kimi_k2, remote-code auto_map)
+    loads into the native DeepSeek-V3 code and into transformers' for --verify."""
+    _folder(tmp_path, capsys, "deepseek-v3")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(model_type="kimi_k2", auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res = cli("generate", "--model", tmp_path, "--prompts", "2", "--prompt-len", "10",
+              "--max-new-tokens", "3", "--verify", "--json")
+    report = res.json()
+    assert report["architecture"] == "DeepseekV3ForCausalLM" and report["match"] is True
+
+
+def test_unknown_model_type_is_one_short_line(cli, tmp_path, capsys):
+    """transformers' own message lists every model_type it knows (over 10,000 characters)."""
+    _folder(tmp_path, capsys)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "llama_from_the_future"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res = cli("generate", "--model", tmp_path, "--prompts", "1", "--max-new-tokens", "2")
+    assert res.code == 2 and res.err.count("\n") == 1
+    assert "'llama_from_the_future'" in res.err and len(res.err) < 300
 
 
 def test_bad_device_exits_2(cli):

@@ -49,11 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except PagedKVError as exc:
-        print(f"pagedkv: error: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:  # unreadable files, malformed numbers from the OS/json
-        print(f"pagedkv: error: {exc}", file=sys.stderr)
+    except (PagedKVError, OSError, ValueError) as exc:  # OSError, ValueError: unreadable
+        # files, malformed numbers from the OS/json; one line even where a message nests one
+        print(f"pagedkv: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -245,9 +245,15 @@ def _prompts(args: argparse.Namespace, vocab: int) -> list:
 
 
 def _reference(path: str, device, dtype):  # noqa: ANN001, ANN202
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
+    from pagedkv.engine.loader import read_config
+
+    config = read_config(Path(path))  # aliased model_types too (loader.transformers_config)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(
+            device).eval()
     except (OSError, ValueError) as exc:
         raise PagedKVError(f"transformers cannot load {path} for --verify: {exc}") from None

@@ -15,25 +15,58 @@ from typing import Any
 
 import torch
 
-from pagedkv.errors import CheckpointError, InvalidArgumentError
+from pagedkv.errors import (
+    CheckpointError,
+    ConfigError,
+    InvalidArgumentError,
+    UnsupportedArchitectureError,
+)
 from pagedkv.modeling.base import CausalLM
-from pagedkv.modeling.registry import architecture_of, model_class
+from pagedkv.modeling.registry import architecture_of, config_model_type, model_class
 
 INDEX = "model.safetensors.index.json"
+
+
+def transformers_config(raw: dict, source: str) -> Any:
+    """A transformers config object of config dict ``raw`` (from ``source``, for messages).
+    A model_type transformers has no class for is read by its alias's class where pagedkv
+    has one (:func:`~pagedkv.modeling.registry.config_model_type`), else refused by name."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{source} is not a JSON object")
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise UnsupportedArchitectureError(f"{source} names no model_type")
+    known = config_model_type(model_type)
+    if known not in CONFIG_MAPPING:
+        import transformers
+
+        raise UnsupportedArchitectureError(
+            f"{source}: transformers {transformers.__version__} has no config class for "
+            f"model_type {model_type!r}")
+    try:
+        return CONFIG_MAPPING[known].from_dict(fields)
+    except Exception as exc:  # noqa: BLE001 - transformers' checks raise their own classes
+        raise ConfigError(f"{source}: transformers cannot build a {known!r} config: "
+                          f"{' '.join(str(exc).split())}") from None
 
 
 def read_config(folder: Path) -> Any:
     """The folder's transformers config (CheckpointError without a readable config.json)."""
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder")
-    if not (folder / "config.json").is_file():
+    path = folder / "config.json"
+    if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json")
-    from transformers import AutoConfig
+    from transformers import PretrainedConfig
 
-    try:
-        return AutoConfig.from_pretrained(str(folder))
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{folder}/config.json cannot be read: {exc}") from None
+    try:  # transformers' reader: it decodes its own JSON tags ({"__float__": "Infinity"})
+        raw, _ = PretrainedConfig.get_config_dict(str(folder))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc}") from None
+    return transformers_config(raw, str(path))
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.engine.loader import transformers_config
 from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.modeling.registry import model_class
 from pagedkv.models import load_config
@@ -77,8 +78,6 @@ def _layers(raw: dict) -> dict:
 def tiny_config(name: str, *, mtp_layers: int = 0) -> Any:
     """A transformers config of catalog model ``name`` at toy size (fp32); ``mtp_layers``
     sets ``num_nextn_predict_layers`` where the config has MTP layers (0: none)."""
-    from transformers import AutoConfig
-
     raw = load_config(name)
     arch = (raw.get("architectures") or ["?"])[0]
     text = raw.get("text_config")
@@ -108,14 +107,7 @@ def tiny_config(name: str, *, mtp_layers: int = 0) -> Any:
         cfg.update(pad_token_id=0, bos_token_id=1, eos_token_id=None)
     cfg["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
     cfg["dtype"] = "float32"
-    model_type = cfg.pop("model_type", None)
-    if model_type is None:
-        raise UnsupportedArchitectureError(f"catalog model {name!r} names no model_type")
-    try:
-        return AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as exc:
-        raise UnsupportedArchitectureError(
-            f"transformers cannot build model_type {model_type!r} of {name!r}: {exc}") from None
+    return transformers_config(cfg, f"catalog model {name!r}")
 
 
 def tiny_model(name: str, seed: int = 0, *, mtp_layers: int = 0) -> Any:

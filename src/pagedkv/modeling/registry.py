@@ -28,6 +28,16 @@ _NATIVE: dict[str, str] = {
     "KimiLinearForCausalLM": "pagedkv.modeling.kimi_linear:KimiLinearForCausalLM",
 }
 
+# model_types transformers registers no config class for, whose checkpoints name an
+# architecture served by native code reading another model_type's config (Kimi K2 ships
+# DeepSeek-V3's model with its own model_type and remote code)
+_CONFIG_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+
+
+def config_model_type(model_type: str) -> str:
+    """The transformers model_type whose config class reads a ``model_type`` config."""
+    return _CONFIG_ALIASES.get(model_type, model_type)
+
 
 def native_architectures() -> tuple[str, ...]:
     """Architecture names with native model code, sorted."""
