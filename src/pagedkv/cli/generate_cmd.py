@@ -255,5 +255,6 @@ def _reference(path: str, device, dtype):  # noqa: ANN001, ANN202
     try:
         return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(
             device).eval()
-    except (OSError, ValueError) as exc:
-        raise PagedKVError(f"transformers cannot load {path} for --verify: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' own checks raise any class
+        raise PagedKVError(f"transformers cannot load {path} for --verify: "
+                           f"{type(exc).__name__}: {exc}") from None

@@ -18,6 +18,7 @@ import torch
 from pagedkv.errors import (
     CheckpointError,
     ConfigError,
+    DeviceMemoryError,
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
@@ -126,8 +127,16 @@ def build_model(config: Any, weights: Iterator[tuple[str, torch.Tensor]], *,
                 architecture: str | None = None) -> CausalLM:
     """Native model of ``config``'s architecture on ``device`` in ``dtype``, weights loaded."""
     cls = model_class(architecture or architecture_of(config))
-    with torch.device(device):
-        model = cls(config)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    except torch.OutOfMemoryError as exc:
+        raise DeviceMemoryError(f"{cls.__name__} does not fit on {device}: {exc}") from None
+    except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+            ZeroDivisionError) as exc:  # what torch and the layers raise on a config's
+        # impossible sizes (negative, zero heads, more bytes than the machine has)
+        raise ConfigError(f"{cls.__name__} cannot be built from this config: "
+                          f"{type(exc).__name__}: {exc}") from None
     model.to(dtype=dtype)
     model.requires_grad_(False)  # inference only
     model.load_weights(weights)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.modeling.decoder import CapturingDecoderLM, DecoderModel, PreNormLayer
-from pagedkv.modeling.layers import _ACTS, GatedMLP, RMSNorm
+from pagedkv.modeling.layers import _ACTS, GatedMLP, RMSNorm, routing
 from pagedkv.modeling.mla import MLAAttention, MLARope
 from pagedkv.modeling.weight_pieces import Piece, expert_pieces, load_pieces
 
@@ -42,9 +42,8 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(e, config.hidden_size))
         if not self.v2:
             self.register_buffer("e_score_correction_bias", torch.zeros(e))
-        self.top_k = config.num_experts_per_tok
-        self.groups = config.n_group or 1
-        self.topk_group = config.topk_group or 1
+        _, self.top_k, self.groups, self.topk_group = routing(
+            e, config.num_experts_per_tok, config.n_group or 1, config.topk_group or 1)
         self.norm = bool(config.norm_topk_prob) and not self.v2
         self.factor = float(config.routed_scaling_factor)
         self.method = getattr(config, "topk_method", None) or "greedy"

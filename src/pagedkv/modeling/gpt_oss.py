@@ -17,15 +17,15 @@ from torch import nn
 from pagedkv.errors import WeightError
 from pagedkv.modeling.attention import GQAAttention
 from pagedkv.modeling.decoder import DecoderLM, DecoderModel, PreNormLayer
-from pagedkv.modeling.layers import RMSNorm, Rope, head_dim
+from pagedkv.modeling.layers import RMSNorm, Rope, head_dim, routing
 
 
 class GptOssRouter(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.weight = nn.Parameter(torch.zeros(config.num_local_experts, config.hidden_size))
-        self.bias = nn.Parameter(torch.zeros(config.num_local_experts))
+        e, self.top_k, _, _ = routing(config.num_local_experts, config.num_experts_per_tok)
+        self.weight = nn.Parameter(torch.zeros(e, config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(e))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], weights [T, k]): softmax over the top-k logits."""

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.errors import ConfigError
+
 
 def head_dim(config: Any) -> int:
     """Attention head size: the config's ``head_dim``, else hidden size / heads."""
@@ -41,6 +43,57 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
+def routing(experts: Any, top_k: Any, groups: Any = 1,
+            topk_group: Any = 1) -> tuple[int, int, int, int]:
+    """A router's (experts, top_k, groups, topk_group) as ints, or :class:`ConfigError`
+    where torch's top-k and group views could not take them (checked when the model is
+    built, not at its first token)."""
+    values = {"experts": experts, "experts per token": top_k, "expert groups": groups,
+              "groups per token": topk_group}
+    for what, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{what} must be a positive integer, got {v!r}")
+    if top_k > experts or experts % groups or topk_group > groups:
+        raise ConfigError(f"router of {experts} experts in {groups} groups cannot pick "
+                          f"{top_k} experts from {topk_group} groups a token")
+    return experts, top_k, groups, topk_group
+
+
+def rope_frequencies(config: Any, rotary_dim: int,
+                     layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies over ``rotary_dim`` and the attention scaling of the config's
+    RoPE (``rope_parameters``, or its ``layer_type`` entry where it has one per layer
+    type): plain RoPE here, every scaled kind through transformers' functions.
+    :class:`ConfigError` names the field when the parameters are not a RoPE."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type is not None and isinstance(
+            params.get(layer_type), dict):
+        params = params[layer_type]
+    else:
+        layer_type = None
+    if not isinstance(params, dict):
+        raise ConfigError(f"rope_parameters must be an object, got {params!r}")
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        theta = params.get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ConfigError(f"rope_theta must be a positive number, got {theta!r}")
+        steps = torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim
+        return 1.0 / (theta ** steps), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if not isinstance(kind, str) or kind not in ROPE_INIT_FUNCTIONS:
+        raise ConfigError(f"rope_type {kind!r} is not one of default, "
+                          f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    try:
+        inv, scaling = ROPE_INIT_FUNCTIONS[kind](config, None, **kwargs)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ConfigError(f"rope_type {kind!r} cannot use rope_parameters {params}: "
+                          f"{exc!r}") from None
+    return inv, float(scaling)
+
+
 class Rope(nn.Module):
     """Rotate-half RoPE over the leading ``rotary_dim`` of each head (all of it unless
     ``partial_rotary_factor`` says less; the rest passes through); ``layer_type`` picks
@@ -48,21 +101,7 @@ class Rope(nn.Module):
 
     def __init__(self, config: Any, rotary_dim: int, layer_type: str | None = None) -> None:
         super().__init__()
-        params = config.rope_parameters
-        if layer_type is not None and isinstance(params.get(layer_type), dict):
-            params = params[layer_type]
-        else:
-            layer_type = None
-        kind = params.get("rope_type", "default")
-        if kind == "default":
-            theta = params["rope_theta"]
-            inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-            scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-            inv, scaling = ROPE_INIT_FUNCTIONS[kind](config, None, **kwargs)
+        inv, scaling = rope_frequencies(config, rotary_dim, layer_type)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.scaling = float(scaling)
 

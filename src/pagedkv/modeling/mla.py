@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedkv.modeling.base import ForwardContext
-from pagedkv.modeling.layers import RMSNorm
+from pagedkv.modeling.layers import RMSNorm, rope_frequencies
 from pagedkv.ops import paged_mla, write_mla_latent
 
 
@@ -30,17 +30,7 @@ class MLARope(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        params = config.rope_parameters
-        kind = params.get("rope_type", "default")
-        dim = config.qk_rope_head_dim
-        if kind == "default":
-            theta = params["rope_theta"]
-            inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            factor = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv, factor = ROPE_INIT_FUNCTIONS[kind](config, None)
+        inv, factor = rope_frequencies(config, config.qk_rope_head_dim)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.factor = float(factor)
         # DeepSeek-V2 always rotates interleaved pairs (as complex numbers); V3 says so

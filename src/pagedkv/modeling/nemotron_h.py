@@ -20,6 +20,7 @@ from torch import nn
 from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.modeling.attention import GQAAttention
 from pagedkv.modeling.base import CausalLM, ForwardContext
+from pagedkv.modeling.layers import routing
 from pagedkv.modeling.mamba2 import Mamba2Mixer
 from pagedkv.modeling.weight_pieces import Piece, load_pieces
 
@@ -84,9 +85,9 @@ class NemotronHExperts(nn.Module):
 class NemotronHMoE(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.n_group = config.n_group
-        self.topk_group = config.topk_group
+        _, self.top_k, self.n_group, self.topk_group = routing(
+            config.n_routed_experts, config.num_experts_per_tok, config.n_group,
+            config.topk_group)
         self.norm_topk_prob = config.norm_topk_prob
         self.scale = config.routed_scaling_factor
         self.act = _act(config.mlp_hidden_act)

@@ -21,7 +21,7 @@ from pagedkv.modeling.attention import GQAAttention
 from pagedkv.modeling.base import ForwardContext
 from pagedkv.modeling.decoder import DecoderLM, DecoderModel
 from pagedkv.modeling.gated_delta_net import GatedDeltaNet
-from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim
+from pagedkv.modeling.layers import GatedMLP, RMSNorm, Rope, head_dim, routing
 from pagedkv.modeling.weight_pieces import Piece, expert_pieces, load_pieces
 
 
@@ -48,7 +48,7 @@ class Qwen3NextSparseMoe(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
+        _, self.top_k, _, _ = routing(config.num_experts, config.num_experts_per_tok)
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = Qwen3NextRouter(config)
         self.experts = Qwen3NextExperts(config)

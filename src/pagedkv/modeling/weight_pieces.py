@@ -59,7 +59,12 @@ def load_pieces(
             if param is None:
                 raise WeightError(f"checkpoint tensor {name!r} matches no parameter of "
                                   f"{type(module).__name__} (mapped to {target!r})")
-            dst = param.data[index] if index else param.data
+            try:
+                dst = param.data[index] if index else param.data
+            except IndexError:  # e.g. expert 7's tensors for a config of 4 experts
+                raise WeightError(f"checkpoint tensor {name!r} maps to {target!r}"
+                                  f"{list(index)}, outside its shape {tuple(param.shape)}"
+                                  ) from None
             if tuple(dst.shape) != tuple(tensor.shape):
                 where = f"{target!r}{list(index)}" if index else repr(target)
                 raise WeightError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -1,0 +1,70 @@
+"""``pagedkv generate --model`` on checkpoint folders whose config.json a hand damaged: one
+field changed to a value the model code cannot take. Each was a traceback (KeyError,
+RuntimeError from torch, IndexError, or a top-k failing at the first token) until
+2026-12-05; now one ``pagedkv: error:`` line naming the field or the value, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+CASES = [
+    # RoPE parameters (the GQA rope, Gemma 3's per-layer-type rope, MLA's rope)
+    ("llama-3-8b", ["rope_parameters", "rope_type"], 7, "rope_type 7"),
+    ("mistral-7b", ["rope_parameters", "rope_theta"], None, "rope_theta"),
+    ("gemma-3-27b", ["rope_parameters", "full_attention", "rope_type"], "x", "rope_type 'x'"),
+    ("deepseek-v3", ["rope_parameters", "rope_type"], [], "rope_type []"),
+    # routers: checked when the model is built, not at its first token's top-k
+    ("qwen3-next-80b", ["num_experts_per_tok"], -2, "experts per token"),
+    ("gpt-oss-20b", ["num_experts_per_tok"], 9, "cannot pick 9 experts"),
+    ("kimi-k3", ["num_expert_group"], 65536, "in 65536 groups"),
+    ("deepseek-v3", ["topk_group"], 2, "from 2 groups"),
+    # a checkpoint holding more experts than its config
+    ("deepseek-v3", ["n_routed_experts"], 3, "outside its shape"),
+    # sizes torch cannot allocate
+    ("nemotron-h-8b", ["conv_kernel"], -4, "cannot be built from this config"),
+    ("llama-3-8b", ["vocab_size"], -256, "negative dimension"),
+]
+
+
+def _damaged(tmp_path, capsys, arch, path, value):
+    from pagedkv.engine.tiny import tiny_model
+
+    tiny_model(arch).save_pretrained(tmp_path)
+    capsys.readouterr()  # transformers' own output is not ours
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    node = cfg
+    for key in path[:-1]:
+        node = node[key]
+    if path[-1] not in node:
+        raise AssertionError(f"{arch}'s config has no {'.'.join(path)} to damage")
+    node[path[-1]] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("arch, path, value, needle", CASES,
+                         ids=[f"{a}-{'.'.join(p)}" for a, p, _, _ in CASES])
+def test_damaged_config_is_one_line(cli, tmp_path, capsys, arch, path, value, needle):
+    folder = _damaged(tmp_path, capsys, arch, path, value)
+    res = cli("generate", "--model", folder, "--prompts", "2", "--prompt-len", "8",
+              "--max-new-tokens", "2")
+    assert res.code == 2, res.err
+    assert res.err.startswith("pagedkv: error: ") and res.err.count("\n") == 1
+    assert needle in res.err
+
+
+def test_reference_that_transformers_cannot_build_is_one_line(cli, tmp_path, capsys):
+    """DeepSeek-V2's MLA ignores num_key_value_heads, transformers divides by it: the
+    engine runs, --verify's reference fails in transformers' constructor."""
+    folder = _damaged(tmp_path, capsys, "deepseek-v2-lite", ["num_key_value_heads"], 0)
+    assert cli("generate", "--model", folder, "--prompts", "1", "--prompt-len", "6",
+               "--max-new-tokens", "2").code == 0
+    res = cli("generate", "--model", folder, "--prompts", "1", "--prompt-len", "6",
+              "--max-new-tokens", "2", "--verify")
+    assert res.code == 2 and res.err.count("\n") == 1
+    assert "for --verify: ZeroDivisionError" in res.err
