@@ -1,7 +1,7 @@
 """``pagedkv generate --model`` on checkpoint folders whose config.json a hand damaged: one
 field changed to a value the model code cannot take. Each was a traceback (KeyError,
-RuntimeError from torch, IndexError, or a top-k failing at the first token) until
-2026-12-05; now one ``pagedkv: error:`` line naming the field or the value, exit 2."""
+RuntimeError from torch, IndexError, or a top-k failing at the first token) or NaN
+logits (a RoPE base below zero) until 2026-12-05; now one ``pagedkv: error:`` line naming the field or the value, exit 2."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ CASES = [
     ("mistral-7b", ["rope_parameters", "rope_theta"], None, "rope_theta"),
     ("gemma-3-27b", ["rope_parameters", "full_attention", "rope_type"], "x", "rope_type 'x'"),
     ("deepseek-v3", ["rope_parameters", "rope_type"], [], "rope_type []"),
+    ("gemma-3-27b", ["rope_parameters", "full_attention", "rope_theta"], -1.0, "rope_theta"),
+    ("gemma-3-27b", ["rope_parameters", "full_attention", "factor"], 0, "factor"),  # linear
+    ("qwen3-next-80b", ["rope_parameters", "rope_theta"], float("nan"), "rope_theta"),
+    ("qwen3-8b", ["rms_norm_eps"], -0.5, "epsilon"),
     # routers: checked when the model is built, not at its first token's top-k
     ("qwen3-next-80b", ["num_experts_per_tok"], -2, "experts per token"),
     ("gpt-oss-20b", ["num_experts_per_tok"], 9, "cannot pick 9 experts"),
@@ -68,3 +72,17 @@ def test_reference_that_transformers_cannot_build_is_one_line(cli, tmp_path, cap
               "--max-new-tokens", "2", "--verify")
     assert res.code == 2 and res.err.count("\n") == 1
     assert "for --verify: ZeroDivisionError" in res.err
+
+
+@pytest.mark.parametrize("arch", ["mistral-7b", "nemotron-h-8b"])
+def test_tied_config_with_its_own_head_uses_the_head(cli, tmp_path, capsys, arch):
+    """tie_word_embeddings true, but the checkpoint stores an lm_head unlike the
+    embedding: transformers uses the stored head, untied; the engine tied it to the
+    embedding (logits 2.5 off) until 2026-12-05. Now the same, with a warning line; and
+    --verify's reference loads without transformers' progress bar on our stderr."""
+    folder = _damaged(tmp_path, capsys, arch, ["tie_word_embeddings"], True)
+    res = cli("generate", "--model", folder, "--prompts", "2", "--prompt-len", "10",
+              "--max-new-tokens", "3", "--verify", "--json")
+    report = res.json()
+    assert report["match"] is True and report["max_abs_logit_diff"] <= 1e-4
+    assert res.err.count("\n") == 1 and res.err.startswith("pagedkv: warning: the config ties")

@@ -248,13 +248,19 @@ def _reference(path: str, device, dtype):  # noqa: ANN001, ANN202
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from pagedkv.engine.loader import read_config
 
     config = read_config(Path(path))  # aliased model_types too (loader.transformers_config)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar is not our stderr's
     try:
         return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(
             device).eval()
     except Exception as exc:  # noqa: BLE001 - transformers' own checks raise any class
         raise PagedKVError(f"transformers cannot load {path} for --verify: "
                            f"{type(exc).__name__}: {exc}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()

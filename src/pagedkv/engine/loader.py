@@ -9,11 +9,13 @@ stream shard by shard and convert to the model's dtype as they are copied.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from pagedkv.errors import (
     CheckpointError,
@@ -21,6 +23,7 @@ from pagedkv.errors import (
     DeviceMemoryError,
     InvalidArgumentError,
     UnsupportedArchitectureError,
+    WeightError,
 )
 from pagedkv.modeling.base import CausalLM
 from pagedkv.modeling.registry import architecture_of, config_model_type, model_class
@@ -139,8 +142,39 @@ def build_model(config: Any, weights: Iterator[tuple[str, torch.Tensor]], *,
                           f"{type(exc).__name__}: {exc}") from None
     model.to(dtype=dtype)
     model.requires_grad_(False)  # inference only
-    model.load_weights(weights)
+    tied = model.tied_weights()
+    held: dict[str, torch.Tensor] = {}
+
+    def untied_first() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name in tied:
+                held[name] = tensor  # compared once what it aliases is loaded
+            else:
+                yield name, tensor
+
+    model.load_weights(untied_first())
+    for name, tensor in held.items():
+        _untie_if_different(model, name, tied[name], tensor)
     return model.eval()
+
+
+def _untie_if_different(model: CausalLM, name: str, alias_of: str,
+                        tensor: torch.Tensor) -> None:
+    """A checkpoint that ties ``name`` to ``alias_of`` but stores a different ``name``
+    gets its own tensor, untied, with a warning: what transformers does (a tied head
+    would silently use the embedding instead of the checkpoint's head)."""
+    shared = model.get_parameter(name)
+    value = tensor.to(device=shared.device, dtype=shared.dtype)
+    if tuple(value.shape) != tuple(shared.shape):
+        raise WeightError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
+                          f"parameter {name!r} needs {tuple(shared.shape)}")
+    if torch.equal(value, shared):
+        return
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=False))
+    warnings.warn(f"the config ties {name} to {alias_of}, but the checkpoint stores a "
+                  f"different {name}: it is used, untied (as transformers does)",
+                  stacklevel=2)
 
 
 def load_folder(folder: str | Path, *, device: torch.device,

@@ -7,6 +7,7 @@ linear... scaling), so the native models rotate exactly as the checkpoints were 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, *, offset: bool = False,
                  cast_after: bool = False) -> None:
         super().__init__()
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ConfigError(f"an RMS norm's epsilon must be in [0, 1), got {eps!r}")
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
         self.offset = offset
@@ -74,10 +77,13 @@ def rope_frequencies(config: Any, rotary_dim: int,
     if not isinstance(params, dict):
         raise ConfigError(f"rope_parameters must be an object, got {params!r}")
     kind = params.get("rope_type", "default")
+    theta = params.get("rope_theta")
+    factor = params.get("factor")
+    for key, value in (("rope_theta", theta), ("factor", 1.0 if factor is None else factor)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 < value < math.inf):  # every kind scales the base; NaN fails here too
+            raise ConfigError(f"RoPE {key} must be a positive number, got {value!r}")
     if kind == "default":
-        theta = params.get("rope_theta")
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-            raise ConfigError(f"rope_theta must be a positive number, got {theta!r}")
         steps = torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim
         return 1.0 / (theta ** steps), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
