@@ -27,6 +27,11 @@ CASES = [
     ("gpt-oss-20b", ["num_experts_per_tok"], 9, "cannot pick 9 experts"),
     ("kimi-k3", ["num_expert_group"], 65536, "in 65536 groups"),
     ("deepseek-v3", ["topk_group"], 2, "from 2 groups"),
+    ("deepseek-v3", ["n_group"], 0, "expert groups must be a positive integer"),  # was 1
+    ("qwen3-next-80b", ["rope_parameters", "partial_rotary_factor"], 1.25, "partial_rotary"),
+    ("nemotron-h-8b", ["chunk_size"], 0, "chunk_size"),
+    # a field transformers' Gemma 3 ignores and the plan would apply (logits 0.56 off)
+    ("gemma-3-27b", ["attn_logit_softcapping"], 1.5, "soft-cap"),
     # a checkpoint holding more experts than its config
     ("deepseek-v3", ["n_routed_experts"], 3, "outside its shape"),
     # sizes torch cannot allocate
@@ -86,3 +91,19 @@ def test_tied_config_with_its_own_head_uses_the_head(cli, tmp_path, capsys, arch
     report = res.json()
     assert report["match"] is True and report["max_abs_logit_diff"] <= 1e-4
     assert res.err.count("\n") == 1 and res.err.startswith("pagedkv: warning: the config ties")
+
+
+@pytest.mark.parametrize("arch, path, value, needle", [
+    ("deepseek-v3", ["routed_scaling_factor"], float("nan"), "NaN or inf at"),
+    ("deepseek-v3", ["num_key_value_heads"], 2, "own forward fails for --verify"),
+])
+def test_reference_without_an_answer_is_one_line(cli, tmp_path, capsys, arch, path, value,
+                                                 needle):
+    """A config whose transformers forward gives NaN, or fails (MLA ignores
+    num_key_value_heads, transformers' DeepSeek-V3 repeats keys by it): --verify says so
+    in one line (was "logits differ by inf", exit 1, and a traceback)."""
+    folder = _damaged(tmp_path, capsys, arch, path, value)
+    res = cli("generate", "--model", folder, "--prompts", "2", "--prompt-len", "8",
+              "--max-new-tokens", "2", "--verify", "--json")
+    assert res.code == 2 and res.err.count("\n") == 1
+    assert needle in res.err

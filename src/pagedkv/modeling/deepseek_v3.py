@@ -42,11 +42,13 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(e, config.hidden_size))
         if not self.v2:
             self.register_buffer("e_score_correction_bias", torch.zeros(e))
+        self.method = getattr(config, "topk_method", None) or "greedy"
+        grouped = not (self.v2 and self.method == "greedy")  # V2's greedy ignores groups
         _, self.top_k, self.groups, self.topk_group = routing(
-            e, config.num_experts_per_tok, config.n_group or 1, config.topk_group or 1)
+            e, config.num_experts_per_tok, config.n_group if grouped else 1,
+            config.topk_group if grouped else 1)
         self.norm = bool(config.norm_topk_prob) and not self.v2
         self.factor = float(config.routed_scaling_factor)
-        self.method = getattr(config, "topk_method", None) or "greedy"
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, h] -> (weights [T, k] fp32, expert ids [T, k])."""

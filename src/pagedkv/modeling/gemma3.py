@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedkv.errors import ConfigError
 from pagedkv.modeling.attention import GQAAttention
 from pagedkv.modeling.base import ForwardContext
 from pagedkv.modeling.decoder import DecoderLM, DecoderModel
@@ -52,6 +53,10 @@ class Gemma3ForCausalLM(DecoderLM):
 
     def __init__(self, config: Any) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        cap = getattr(text, "attn_logit_softcapping", None)
+        if cap is not None:  # the plan's Attention would cap, transformers' Gemma 3 does not
+            raise ConfigError(f"Gemma 3 attention has no logit soft-cap (transformers ignores "
+                              f"attn_logit_softcapping={cap!r}); set it to null")
         norm = RMSNorm(text.hidden_size, text.rms_norm_eps, offset=True)
         ropes = nn.ModuleDict({
             kind: Rope(text, text.head_dim, kind) for kind in sorted(set(text.layer_types))})

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.errors import ConfigError
 from pagedkv.modeling.attention import GQAAttention
 from pagedkv.modeling.base import ForwardContext
 from pagedkv.modeling.decoder import DecoderLM, DecoderModel
@@ -107,6 +108,9 @@ class Qwen3NextForCausalLM(DecoderLM):
     def __init__(self, config: Any) -> None:
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
         factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                0 < factor <= 1):
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
         rope = Rope(config, int(head_dim(config) * factor))  # rotates that part of each head
         super().__init__(config, DecoderModel(config, Qwen3NextDecoderLayer, norm, rope))
 
