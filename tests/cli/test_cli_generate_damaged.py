@@ -30,10 +30,13 @@ CASES = [
     ("deepseek-v3", ["n_group"], 0, "expert groups must be a positive integer"),  # was 1
     ("qwen3-next-80b", ["rope_parameters", "partial_rotary_factor"], 1.25, "partial_rotary"),
     ("nemotron-h-8b", ["chunk_size"], 0, "chunk_size"),
+    ("deepseek-v3", ["head_dim"], 4, "qk_rope_head_dim"),  # transformers rotates head_dim
     # a field transformers' Gemma 3 ignores and the plan would apply (logits 0.56 off)
     ("gemma-3-27b", ["attn_logit_softcapping"], 1.5, "soft-cap"),
     # a checkpoint holding more experts than its config
     ("deepseek-v3", ["n_routed_experts"], 3, "outside its shape"),
+    # more layers than the checkpoint has (built for minutes before the weights said so)
+    ("mistral-7b", ["num_hidden_layers"], 65536, "num_hidden_layers 65536"),
     # sizes torch cannot allocate
     ("nemotron-h-8b", ["conv_kernel"], -4, "cannot be built from this config"),
     ("llama-3-8b", ["vocab_size"], -256, "negative dimension"),
@@ -107,3 +110,14 @@ def test_reference_without_an_answer_is_one_line(cli, tmp_path, capsys, arch, pa
               "--max-new-tokens", "2", "--verify", "--json")
     assert res.code == 2 and res.err.count("\n") == 1
     assert needle in res.err
+
+
+def test_mamba2_step_size_limit_holds_in_decode_steps(cli, tmp_path, capsys):
+    """time_step_min is a lower limit on every Mamba-2 step size. The chunked scan (prefill)
+    applied it and transformers' one-token step (decode) did not, so a decoded token
+    differed from the same token prefilled (5e-3 here) until 2026-12-05."""
+    folder = _damaged(tmp_path, capsys, "nemotron-h-8b", ["time_step_min"], 1.001)
+    res = cli("generate", "--model", folder, "--prompts", "2", "--prompt-len", "12",
+              "--max-new-tokens", "4", "--verify", "--json")
+    report = res.json()
+    assert report["match"] is True and report["max_abs_logit_diff"] <= 1e-4

@@ -9,6 +9,7 @@ stream shard by shard and convert to the model's dtype as they are copied.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,12 +178,40 @@ def _untie_if_different(model: CausalLM, name: str, alias_of: str,
                   stacklevel=2)
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_layer_count(config: Any, files: list[Path]) -> None:
+    """Refuse a config that counts more decoder layers than the checkpoint has tensors
+    for, before building them (a config saying 10^12 layers would build for hours)."""
+    from safetensors import SafetensorError, safe_open
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    wanted = getattr(text, "num_hidden_layers", None)
+    if not isinstance(wanted, int):
+        return
+    found = -1
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    m = _LAYER.search(name)
+                    if m:
+                        found = max(found, int(m.group(1)))
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path} cannot be read: {exc}") from None
+    if found >= 0 and wanted > found + 1:
+        raise CheckpointError(f"config.json has num_hidden_layers {wanted}, the checkpoint "
+                              f"holds tensors of {found + 1} layers")
+
+
 def load_folder(folder: str | Path, *, device: torch.device,
                 dtype: str | torch.dtype | None = None) -> tuple[Any, CausalLM]:
     folder = Path(folder)
     config = read_config(folder)
     model_class(architecture_of(config))  # unsupported architectures fail before reading
     files = weight_files(folder)
+    _check_layer_count(config, files)
     dt = torch_dtype(dtype, config)
     return config, build_model(config, iter_safetensors(files), device=device, dtype=dt)
 

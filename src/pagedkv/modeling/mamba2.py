@@ -100,16 +100,20 @@ class Mamba2Mixer(nn.Module):
         h, p, s = self.num_heads, self.head_dim, self.state_size
         if length == 1:
             ssm = init["ssm"].clone()  # updated in place by the step
+            # the step size clamped to dt_limit here, as the chunked scan clamps it:
+            # transformers' torch step ignores the limit, so a token decoded one at a time
+            # differed from the same token in a prefill (5e-3 at time_step_min 1.001)
+            step = F.softplus(dt[:, 0] + self.dt_bias.to(dt.dtype)).clamp(*self.dt_limit)
             y = one_step(
-                ssm, x.view(n, h, p), dt[:, 0, :, None].expand(-1, -1, p),
+                ssm, x.view(n, h, p), step[:, :, None].expand(-1, -1, p),
                 a[:, None, None].expand(-1, p, s), b.view(n, self.n_groups, s),
                 c.view(n, self.n_groups, s), self.D[:, None].expand(-1, p),
-                dt_bias=self.dt_bias[:, None].expand(-1, p), dt_softplus=True,
             )
             return [y.view(n, 1, self.inner)], {"conv": conv_state, "ssm": ssm}
         y, final = chunked(
             x.view(n, length, h, p), dt, a, b.view(n, length, self.n_groups, s),
-            c.view(n, length, self.n_groups, s), chunk_size=self.chunk_size, D=self.D,
+            c.view(n, length, self.n_groups, s), D=self.D,
+            chunk_size=min(self.chunk_size, length),  # a chunk past the rows adds only zeros
             dt_bias=self.dt_bias, initial_states=init["ssm"], dt_softplus=True,
             dt_limit=self.dt_limit, return_final_states=True,
         )

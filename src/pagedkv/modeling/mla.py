@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedkv.errors import ConfigError
 from pagedkv.modeling.base import ForwardContext
 from pagedkv.modeling.layers import RMSNorm, rope_frequencies
 from pagedkv.ops import paged_mla, write_mla_latent
@@ -30,7 +31,13 @@ class MLARope(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        inv, factor = rope_frequencies(config, config.qk_rope_head_dim)
+        rope_dim, declared = config.qk_rope_head_dim, getattr(config, "head_dim", None)
+        v2 = getattr(config, "model_type", None) == "deepseek_v2"
+        if declared is not None and declared != rope_dim and not v2:
+            # transformers' DeepSeek-V3 sizes its rotary frequencies by head_dim
+            raise ConfigError(f"an MLA config's head_dim ({declared!r}) must equal "
+                              f"qk_rope_head_dim ({rope_dim!r}), the width RoPE rotates")
+        inv, factor = rope_frequencies(config, rope_dim)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.factor = float(factor)
         # DeepSeek-V2 always rotates interleaved pairs (as complex numbers); V3 says so
