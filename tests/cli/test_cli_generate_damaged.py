@@ -37,6 +37,8 @@ CASES = [
     ("deepseek-v3", ["n_routed_experts"], 3, "outside its shape"),
     # more layers than the checkpoint has (built for minutes before the weights said so)
     ("mistral-7b", ["num_hidden_layers"], 65536, "num_hidden_layers 65536"),
+    # Kimi-Linear's max_position_embeddings is its model_max_length (was a TypeError)
+    ("kimi-k3", ["model_max_length"], [4096, 1e-30], "max_position_embeddings"),
     # sizes torch cannot allocate
     ("nemotron-h-8b", ["conv_kernel"], -4, "cannot be built from this config"),
     ("llama-3-8b", ["vocab_size"], -256, "negative dimension"),
