@@ -387,3 +387,19 @@ def test_library_warnings_are_one_cli_line(tmp_path, cli):
     assert code == 0 and out
     (line,) = err.strip().splitlines()
     assert line.startswith("pagedkv: warning: quantization method 'mystery-8bit'"), err
+
+
+def test_mtp_count_past_the_model_is_one_line(cli, tmp_path):
+    """A damaged num_nextn_predict_layers (10^12) with --draft mtp built that many layer
+    specs (a hang, fuzz/plan.py seed 19417) until 2026-12-05; now refused by name."""
+    import json
+
+    from pagedkv.models import load_config
+
+    cfg = load_config("deepseek-v3")
+    cfg["num_nextn_predict_layers"] = 10**12
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, _, err = cli("plan", str(path), "--memory", "141GB", "--draft", "mtp")
+    assert code == 2 and err.count("\n") == 1
+    assert "num_nextn_predict_layers 1000000000000 exceeds the target's 61 layers" in err

@@ -143,6 +143,10 @@ def mtp_layers(config: Mapping, *, kv_dtype: str = "auto", model: str = DRAFT) -
             "the target has no MTP layers (num_nextn_predict_layers is 0 or absent); "
             "--draft mtp needs them"
         )
+    layers = need_int(cfg, "num_hidden_layers", why="the target's depth")
+    if count > layers:  # a damaged count would build that many specs (10^12: a hang)
+        raise ConfigError(f"num_nextn_predict_layers {count} exceeds the target's "
+                          f"{layers} layers")
     family = model_type(cfg)
     if family == "deepseek_v4" or family.startswith("minimax_m3"):
         raise UnsupportedArchitectureError(
