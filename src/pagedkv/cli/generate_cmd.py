@@ -127,25 +127,23 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     diff = scale = None
     if args.verify:
-        from pagedkv.engine.verify import max_logit_diff
+        from pagedkv.engine.verify import compare_logits
 
         if hf is None:
             hf = _reference(args.model, device, engine.dtype)
         elif engine.dtype != torch.float32:
             hf = hf.to(engine.dtype)
         try:
-            diff, scale = max_logit_diff(engine, hf, outputs)
+            compared = compare_logits(engine, hf, outputs)
         except Exception as exc:  # noqa: BLE001 - transformers' forward on a config it took
             raise PagedKVError(f"transformers' own forward fails for --verify: "
                                f"{type(exc).__name__}: {exc}") from None
-        if diff == float("inf"):
-            from pagedkv.engine.verify import reference_nonfinite_rows
-
-            bad, rows = reference_nonfinite_rows(engine, hf, outputs)
-            if bad:
-                raise PagedKVError(
-                    f"transformers' own logits are NaN or inf at {bad} of {rows} rows: this "
-                    "config and weights give no finite output to verify against")
+        if compared.reference_nonfinite:
+            raise PagedKVError(
+                f"transformers' own logits are NaN or inf at {compared.reference_nonfinite} "
+                f"of {compared.rows} rows: this config and weights give no finite output to "
+                "verify against")
+        diff, scale = compared.worst, compared.scale
     # fp32: exact to rounding. 16-bit: both sides round every op to 8 (bf16) or 11 (fp16)
     # mantissa bits, in different orders; 4% of the largest logit (at least 0.04) allows that
     tol = None

@@ -46,16 +46,22 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
+def config_int(value: Any, what: str) -> int:
+    """``value`` when it is a positive integer, else :class:`ConfigError` naming ``what``
+    (a JSON true, a float or a string is refused, not rounded)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
 def routing(experts: Any, top_k: Any, groups: Any = 1,
             topk_group: Any = 1) -> tuple[int, int, int, int]:
     """A router's (experts, top_k, groups, topk_group) as ints, or :class:`ConfigError`
     where torch's top-k and group views could not take them (checked when the model is
     built, not at its first token)."""
-    values = {"experts": experts, "experts per token": top_k, "expert groups": groups,
-              "groups per token": topk_group}
-    for what, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{what} must be a positive integer, got {v!r}")
+    experts, top_k = config_int(experts, "experts"), config_int(top_k, "experts per token")
+    groups, topk_group = config_int(groups, "expert groups"), config_int(
+        topk_group, "groups per token")
     if top_k > experts or experts % groups or topk_group > groups:
         raise ConfigError(f"router of {experts} experts in {groups} groups cannot pick "
                           f"{top_k} experts from {topk_group} groups a token")

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.errors import ConfigError, UnsupportedArchitectureError
+from pagedkv.errors import UnsupportedArchitectureError
+from pagedkv.modeling.layers import config_int
 from pagedkv.modeling.recurrent_state import RecurrentBatch, StateDict, causal_conv, run_segments
 
 
@@ -57,10 +58,7 @@ class Mamba2Mixer(nn.Module):
         self.state_size = config.ssm_state_size
         self.n_groups = config.n_groups
         self.kernel = config.conv_kernel
-        self.chunk_size = config.chunk_size
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or (
-                self.chunk_size < 1):
-            raise ConfigError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
+        self.chunk_size = config_int(config.chunk_size, "chunk_size")
         self.inner = self.num_heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
         self.dt_limit = (config.time_step_min, float("inf"))
