@@ -9,7 +9,7 @@ import random
 import sys
 
 from pagedkv.cli.common import positive_int
-from pagedkv.errors import ConfigError, InvalidArgumentError, PagedKVError
+from pagedkv.errors import InvalidArgumentError, PagedKVError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -239,9 +239,10 @@ def _capped(options, source):  # noqa: ANN001, ANN202
 
         config = read_config(Path(source))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None) or 4096
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ConfigError(f"max_position_embeddings must be a positive integer, got {limit!r}")
+    from pagedkv.modeling.layers import config_int
+
+    limit = config_int(getattr(text, "max_position_embeddings", None) or 4096,
+                       "max_position_embeddings")
     return replace(options, max_model_len=min(limit, 4096))
 
 
