@@ -224,6 +224,7 @@ NAS_WINDOW = {"attention": {"n_heads_in_group": 2, "no_op": False, "window_lengt
         ({"model_type": "deepseek_v4"}, "num_key_value_heads is 2"),  # V4 shares one K=V head
         ({"sparse_attention_config": {"use_sparse_attention": True}}, "sparse_attention_config"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"cross_attention_layers": [1]}, "cross_attention_layers"),
         ({"add_cross_attention": True}, "add_cross_attention"),
         ({"pruned_heads": {"0": [1]}}, "pruned_heads"),

@@ -163,6 +163,7 @@ def test_checkpoint_fp8_kv_scheme_sets_the_auto_kv_dtype():
         ({"compress_ratios": [0, 4, 128]}, "compress_ratios"),
         ({"sparse_attention_config": {"use_sparse_attention": True}}, "sparse_attention_config"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"cross_attention_layers": [1]}, "cross_attention_layers"),
         ({"pruned_heads": {"0": [1]}}, "pruned_heads"),
     ],

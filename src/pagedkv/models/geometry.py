@@ -142,10 +142,13 @@ def refuse_unmodelled(cfg: Mapping) -> None:
                 f"config field {field!r} (compressed attention) on model_type "
                 f"{model_type(cfg)!r}: pagedkv models it for DeepSeek-V4 only"
             )
-    if cfg.get("use_bidirectional_attention") == "all":
+    bidirectional = cfg.get("use_bidirectional_attention")
+    # "vision" (Gemma 4): only an image's own tokens see each other; text stays causal
+    if bidirectional not in (None, False, "vision"):
         raise UnsupportedArchitectureError(
-            "config field 'use_bidirectional_attention' is 'all' (an encoder: no causal KV "
-            "cache, and transformers halves the window); pagedkv plans decoder caches only"
+            f"config field 'use_bidirectional_attention' is {bidirectional!r} (every token "
+            "sees every other, as an encoder: no causal KV cache, and transformers halves "
+            "the window); pagedkv plans decoder caches only"
         )
 
 
