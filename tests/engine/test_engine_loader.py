@@ -152,3 +152,36 @@ def test_block_major_caches_hold_each_block_of_every_layer_in_one_stretch():
     with torch.no_grad():
         ref = hf(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0, :-1]
     assert float((rows - ref).abs().max()) < 0.05 * float(ref.abs().max())  # bf16 vs fp32
+
+
+TEN = ["llama-3-8b", "qwen3-8b", "mistral-7b", "gemma-3-27b", "gpt-oss-20b", "deepseek-v3",
+       "deepseek-v2-lite", "kimi-k3", "qwen3-next-80b", "nemotron-h-8b"]
+
+
+@pytest.mark.parametrize("arch", TEN)
+def test_a_config_larger_than_its_weights_is_refused_before_the_model_is_built(
+        arch, saved, monkeypatch):
+    """hidden_size doubled in config.json over the saved weights: a WeightError naming a
+    tensor's two shapes, from the meta-device check, before the real build (which the
+    test replaces by a failure); the intact folder passes the same check."""
+    import json
+
+    from pagedkv.engine import loader
+    from pagedkv.errors import WeightError
+
+    _, folder = saved(arch)
+    config = loader.read_config(folder)
+    shapes = loader.header_shapes(loader.weight_files(folder))
+    loader._check_shapes(loader.model_class(loader.architecture_of(config)), config, shapes)
+
+    raw = json.loads((folder / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    text["hidden_size"] *= 2
+    (folder / "config.json").write_text(json.dumps(raw))
+
+    def built(*args, **kwargs):
+        raise RuntimeError("the real model was built")
+
+    monkeypatch.setattr(loader, "build_model", built)
+    with pytest.raises(WeightError, match=r"has shape \(.*needs \("):
+        loader.load_folder(folder, device=torch.device("cpu"))

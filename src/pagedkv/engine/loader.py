@@ -181,37 +181,64 @@ def _untie_if_different(model: CausalLM, name: str, alias_of: str,
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _check_layer_count(config: Any, files: list[Path]) -> None:
-    """Refuse a config that counts more decoder layers than the checkpoint has tensors
-    for, before building them (a config saying 10^12 layers would build for hours)."""
+def header_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's shape, from the files' headers (no tensor is read)."""
     from safetensors import SafetensorError, safe_open
 
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    wanted = getattr(text, "num_hidden_layers", None)
-    if not isinstance(wanted, int):
-        return
-    found = -1
+    shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    m = _LAYER.search(name)
-                    if m:
-                        found = max(found, int(m.group(1)))
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
         except SafetensorError as exc:
             raise CheckpointError(f"{path} cannot be read: {exc}") from None
+    return shapes
+
+
+def _check_layer_count(config: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a config that counts more decoder layers than the checkpoint has tensors
+    for, before building them (a config saying 10^12 layers would build for hours)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    wanted = getattr(text, "num_hidden_layers", None)
+    if not isinstance(wanted, int):
+        return
+    found = max((int(m.group(1)) for m in map(_LAYER.search, shapes) if m), default=-1)
     if found >= 0 and wanted > found + 1:
         raise CheckpointError(f"config.json has num_hidden_layers {wanted}, the checkpoint "
                               f"holds tensors of {found + 1} layers")
+
+
+def _check_shapes(cls: type[CausalLM], config: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Load the checkpoint's names and shapes into the model built on the meta device (no
+    memory): a config whose sizes disagree with its weights is a :class:`WeightError`
+    before any parameter is allocated (hidden_size 65536 over a small checkpoint would
+    otherwise take the machine's memory building a model the weights cannot fill). A
+    config the meta device cannot build is left to the real build to report."""
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception:  # noqa: BLE001 - the real build names what is wrong with the config
+        return
+    tied = model.tied_weights()
+    model.load_weights((name, torch.empty(shape, device="meta"))
+                       for name, shape in shapes.items() if name not in tied)
+    for name in tied.keys() & shapes.keys():
+        need = tuple(model.get_parameter(name).shape)
+        if shapes[name] != need:
+            raise WeightError(f"checkpoint tensor {name!r} has shape {shapes[name]}, "
+                              f"parameter {name!r} needs {need}")
 
 
 def load_folder(folder: str | Path, *, device: torch.device,
                 dtype: str | torch.dtype | None = None) -> tuple[Any, CausalLM]:
     folder = Path(folder)
     config = read_config(folder)
-    model_class(architecture_of(config))  # unsupported architectures fail before reading
+    cls = model_class(architecture_of(config))  # unsupported architectures fail before reading
     files = weight_files(folder)
-    _check_layer_count(config, files)
+    shapes = header_shapes(files)
+    _check_layer_count(config, shapes)
+    _check_shapes(cls, config, shapes)
     dt = torch_dtype(dtype, config)
     return config, build_model(config, iter_safetensors(files), device=device, dtype=dt)
 
