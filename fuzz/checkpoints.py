@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import math
@@ -82,7 +83,7 @@ def draw(seed: int, args: argparse.Namespace) -> Case:
         elif isinstance(old, list) and old and rng.random() < 0.5:
             new = old[:-1] if rng.random() < 0.5 else old + old[-1:]
         else:
-            new = rng.choice(ODD)
+            new = copy.deepcopy(rng.choice(ODD))  # (a later damage may edit inside it)
         node[path[-1]] = new
         damage.append((path, new))
     argv = ["--prompts", "2", "--prompt-len", str(rng.choice([6, 12, 20])),
