@@ -139,8 +139,10 @@ def _store_p(p, f, dst, BLOCK_M: gl.constexpr):
     pg = p * f[:, None]
     p8 = pg.to(e4)
     lo = key_order((pg - p8.to(gl.float32)).to(e4))
-    dst.slice(0, BLOCK_M, dim=0).store(gl.permute(key_order(p8), (1, 0)))
-    dst.slice(BLOCK_M, BLOCK_M, dim=0).store(gl.permute(lo, (1, 0)))
+    # hi and lo as one [2 x BLOCK_M, 64] store (two stores into one buffer: a barrier
+    # between them)
+    both = gl.permute(gl.join(key_order(p8), lo), (2, 1, 0))
+    dst.store(gl.reshape(both, [2 * BLOCK_M, p.shape[0]]))
 
 
 @gluon.jit
@@ -157,9 +159,9 @@ def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             HAS_DRAFT: gl.constexpr):
     """MMA warpgroup G of ``_mla_gluon_ds_ws``: the split's tiles u = G mod 2, each with its
-    own running state (group scores, softmax, P per group; once V^T pair G is ready, the
-    slot's refill, then the groups' value MMAs one at a time), written as workspace split
-    2 split + G."""
+    own running state (group scores; once V^T pair G is ready, the slot's refill; then the
+    softmax, P per group and the groups' value MMAs one at a time), written as workspace
+    split 2 split + G."""
     (q2_smem, qr_smem, kv_smem, kr_smem, ks_smem, vt_smem, p2_smem, rs_smem, bars, vt_ready,
      vt_free, kd, rd, sd, table_row, s_lo, n_tiles, block_size, num_blocks, flag_ptr, seq_len,
      draft, ws_o, ws_m, ws_l, tile, q_start, q_len, heads, num_splits, split, qk_scale) = args
@@ -219,6 +221,13 @@ def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
         smax = gl.max(sc, 0)  # the tile's largest scale per group
         fac = sc * gl.where(smax > 0, 1.0 / smax, 0.0)[None, :]
         a0, a1, a2, a3, r = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3, r])
+        # the slot's readers done (every warp's score MMAs and scale reads, the
+        # transposer's V^T pair G): its refill now, before the softmax and P (6% faster
+        # than after them: H200 2026-12-05, docs/kernels-log.md)
+        gl.thread_barrier()
+        mbarrier.wait(vt_ready.index(G), j & 1)
+        _issue_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, page_next,
+                  n0 + STAGES * BLOCK_N, stage, block_size, num_blocks, refill)
         s = gl.convert_layout(_half_sum(a0), t_l) * _group(sc, sel, 0, per_key)[:, None]
         s += gl.convert_layout(_half_sum(a1), t_l) * _group(sc, sel, 1, per_key)[:, None]
         s += gl.convert_layout(_half_sum(a2), t_l) * _group(sc, sel, 2, per_key)[:, None]
@@ -232,27 +241,27 @@ def _ds_mma(args, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
         alpha = gl.exp2(m_i - m_use)
         m_i = m_new
         l_acc = l_acc * alpha[None, :] + p
-        pt = p2_smem.index(4 * G + wi)
-        _store_p(p, _group(fac, sel, 0, per_key), pt, BLOCK_M)
-        _store_p(p, _group(fac, sel, 1, per_key), p2_smem.index(4 * G + 1 + wi), BLOCK_M)
-        _store_p(p, _group(fac, sel, 2, per_key), p2_smem.index(4 * G + 2 + wi), BLOCK_M)
-        _store_p(p, _group(fac, sel, 3, per_key), p2_smem.index(4 * G + 3 + wi), BLOCK_M)
+        pt0 = p2_smem[0].index(G + wi)
+        pt1 = p2_smem[1].index(G + wi)
+        pt2 = p2_smem[2].index(G + wi)
+        pt3 = p2_smem[3].index(G + wi)
+        _store_p(p, _group(fac, sel, 0, per_key), pt0, BLOCK_M)
+        _store_p(p, _group(fac, sel, 1, per_key), pt1, BLOCK_M)
+        _store_p(p, _group(fac, sel, 2, per_key), pt2, BLOCK_M)
+        _store_p(p, _group(fac, sel, 3, per_key), pt3, BLOCK_M)
         fence_async_shared()
-        gl.thread_barrier()  # P stored, every warp's score MMAs and scale reads over
-        mbarrier.wait(vt_ready.index(G), j & 1)
-        _issue_ds(kd, rd, sd, kv_smem, kr_smem, ks_smem, bars, page_next,
-                  n0 + STAGES * BLOCK_N, stage, block_size, num_blocks, refill)
+        gl.thread_barrier()  # P stored by every warp
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))
         va = vt_smem.index(2 * G + wi)  # latent rows [0, 256): groups 0 and 1
         vb = vt_smem.index(2 * G + 1 + wi)
-        acc0 = _group_value(va.slice(0, GW, dim=0), pt, o0, acc0, alpha_o,
+        acc0 = _group_value(va.slice(0, GW, dim=0), pt0, o0, acc0, alpha_o,
                             _pick(smax, sel, 0))
-        acc1 = _group_value(va.slice(GW, GW, dim=0), p2_smem.index(4 * G + 1 + wi), o0, acc1,
-                            alpha_o, _pick(smax, sel, 1))
-        acc2 = _group_value(vb.slice(0, GW, dim=0), p2_smem.index(4 * G + 2 + wi), o0, acc2,
-                            alpha_o, _pick(smax, sel, 2))
-        acc3 = _group_value(vb.slice(GW, GW, dim=0), p2_smem.index(4 * G + 3 + wi), o0, acc3,
-                            alpha_o, _pick(smax, sel, 3))
+        acc1 = _group_value(va.slice(GW, GW, dim=0), pt1, o0, acc1, alpha_o,
+                            _pick(smax, sel, 1))
+        acc2 = _group_value(vb.slice(0, GW, dim=0), pt2, o0, acc2, alpha_o,
+                            _pick(smax, sel, 2))
+        acc3 = _group_value(vb.slice(GW, GW, dim=0), pt3, o0, acc3, alpha_o,
+                            _pick(smax, sel, 3))
         gl.thread_barrier()  # every warp's value MMAs over: V^T pair G and P are free
         mbarrier.arrive(vt_free.index(G), count=1)
         page = page_a
@@ -316,8 +325,13 @@ def _mla_gluon_ds_ws(
     ks_smem = gl.allocate_shared_memory(sd.dtype, [STAGES, BLOCK_N, 4], sd.layout)
     vt_smem = gl.allocate_shared_memory(
         e4, [4, H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], e4))
-    p2_smem = gl.allocate_shared_memory(
-        e4, [8, N2, BLOCK_N], gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4))
+    # P_g per group, each its own buffer (one per MMA warpgroup): stores into one
+    # allocation are fenced from each other by barriers, into different ones not
+    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N2, BLOCK_N], e4)
+    p2_smem = (gl.allocate_shared_memory(e4, [2, N2, BLOCK_N], p_lay),
+               gl.allocate_shared_memory(e4, [2, N2, BLOCK_N], p_lay),
+               gl.allocate_shared_memory(e4, [2, N2, BLOCK_N], p_lay),
+               gl.allocate_shared_memory(e4, [2, N2, BLOCK_N], p_lay))
     rs_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     bars, vt_ready, vt_free = ws_barriers(STAGES)
