@@ -17,6 +17,7 @@ typical length, TP/PP and a drafter. What must hold:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -63,7 +64,7 @@ def draw(seed: int, args: argparse.Namespace) -> list[str]:
             old = parent[path[-1]]
             parent[path[-1]] = rng.choice([old * 2, old // 2, old + 1, old - 1, -old])
         else:
-            parent[path[-1]] = rng.choice(BAD)
+            parent[path[-1]] = copy.deepcopy(rng.choice(BAD))  # (a later damage may edit inside it)
     file = _FILES / f"{seed}-{source.name}"
     file.write_text(json.dumps(cfg))
     argv = ["plan", str(file), "--json",
