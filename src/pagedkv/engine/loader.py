@@ -166,9 +166,7 @@ def _untie_if_different(model: CausalLM, name: str, alias_of: str,
     would silently use the embedding instead of the checkpoint's head)."""
     shared = model.get_parameter(name)
     value = tensor.to(device=shared.device, dtype=shared.dtype)
-    if tuple(value.shape) != tuple(shared.shape):
-        raise WeightError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
-                          f"parameter {name!r} needs {tuple(shared.shape)}")
+    _same_shape(name, tuple(value.shape), tuple(shared.shape))
     if torch.equal(value, shared):
         return
     owner, _, leaf = name.rpartition(".")
@@ -176,6 +174,14 @@ def _untie_if_different(model: CausalLM, name: str, alias_of: str,
     warnings.warn(f"the config ties {name} to {alias_of}, but the checkpoint stores a "
                   f"different {name}: it is used, untied (as transformers does)",
                   stacklevel=2)
+
+
+def _same_shape(name: str, have: tuple[int, ...], need: tuple[int, ...]) -> None:
+    """A stored tied tensor (which bypasses ``load_weights``' own check) must fit its
+    parameter."""
+    if have != need:
+        raise WeightError(f"checkpoint tensor {name!r} has shape {have}, "
+                          f"parameter {name!r} needs {need}")
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -227,10 +233,7 @@ def _check_shapes(cls: type[CausalLM], config: Any, shapes: dict[str, tuple[int,
     except (RuntimeError, NotImplementedError):  # a meta-device limit (not a WeightError):
         return  # the real load decides
     for name in tied.keys() & shapes.keys():
-        need = tuple(model.get_parameter(name).shape)
-        if shapes[name] != need:
-            raise WeightError(f"checkpoint tensor {name!r} has shape {shapes[name]}, "
-                              f"parameter {name!r} needs {need}")
+        _same_shape(name, shapes[name], tuple(model.get_parameter(name).shape))
 
 
 def load_folder(folder: str | Path, *, device: torch.device,
