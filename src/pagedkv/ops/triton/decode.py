@@ -464,6 +464,20 @@ def _word_aligned(k_cache, v_cache, dim, dv) -> bool:
     return pow2 and all(x % 4 == 0 for x in strides) and all(x % 4 == 0 for x in ptrs)
 
 
+def register_cap(block_m: int, block_d: int, block_dv: int, page_tiles: bool) -> int | None:
+    """The register cap of a 16-bit decode program (None: the compiler's choice), only on
+    the tiles it was measured on: head dims up to 128 and up to 32 rows, where 128 registers
+    keep 4 programs per SM without spills (``Q7_MAXNREG`` for 32-row tiles: 164 -> 128;
+    ``PAGE_TILES_MAXNREG`` for page tiles). Larger tiles get what they need: a 64-row tile
+    over head dim 256 holds a [64, 256] float32 accumulator, which ptxas cannot place under
+    128 registers at all (found by fuzz/gpu_gqa.py), and at 32 rows it spills under the cap."""
+    if block_m > 32 or block_d > 128 or block_dv > 128:
+        return None
+    if block_m == 32:
+        return Q7_MAXNREG
+    return PAGE_TILES_MAXNREG if page_tiles else None
+
+
 def launch_config(fp8: bool, f32: bool) -> tuple[int, int, int]:
     if interpreting():
         return (32, 4, 2)
@@ -545,10 +559,8 @@ def decode_plan(q, k_cache, v_cache, query_start_loc, seq_lens, table, out, flag
     if splits is None:  # one split: measured for 16-row 16-bit page-tile programs only
         one_wave = page_tiles and block_m == 16 and row_tiles == 1 and not (fp8 or f32 or swap)
         splits = decode_splits(batch * kv_heads, max_seq_len, q.device, one_wave)
-    if maxnreg is None and block_m == 32 and not (fp8 or f32 or swap):
-        maxnreg = Q7_MAXNREG  # 7-token blocks x 4 heads: 164 -> 128 registers, 4 programs/SM
-    if maxnreg is None and page_tiles and not (fp8 or f32 or swap):
-        maxnreg = PAGE_TILES_MAXNREG
+    if maxnreg is None and not (fp8 or f32 or swap):
+        maxnreg = register_cap(block_m, next_pow2(dim), next_pow2(dv), page_tiles)
     extra = {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
     in_memory = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
     direct = splits == 1
