@@ -99,9 +99,11 @@ def check(case: dict, args: argparse.Namespace) -> None:
     kw = dict(case["kw"])
     sinks = None
     if case["sinks"]:
-        sinks = kw["sinks"] = torch.randn(heads, generator=torch.Generator().manual_seed(seed))
+        sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed))
     sc = make_scenario(case["seqs"], case["block_size"], heads, kv_heads, dim=dim,
                        vdim=case["vdim"], dtype=getattr(torch, case["dtype"]), seed=seed)
+    if sinks is not None:  # on the call's device (the reference reads them on the host)
+        kw["sinks"] = sinks.to(sc.q.device)
     try:
         got = run(sc, mask, **kw)
     except PagedKVError as e:

@@ -457,3 +457,18 @@ def test_triton_fp8_widened_tiles(fmt, page_tiles, ops_backend):
     err = float((got.cpu().double() - want).norm() / want.norm())
     assert err < 1e-2, err
     assert float((got.float() - plain.float()).abs().max()) < 1e-2  # the same products
+
+
+def test_triton_refuses_sinks_on_another_device():
+    """Sinks on the host with the rest on the GPU reached the kernel as a host pointer: a
+    Triton ValueError from its launcher (fuzz/triton_attention.py on an H100). Every tensor
+    of a Triton call is on one device, or the call says which two differ."""
+    pytest.importorskip("triton")
+    from pagedkv.ops.triton.attention import paged_attention as triton_attention
+
+    sc = make_scenario([(9, 1), (20, 1)], 4, 4, 2, dtype=torch.float32, seed=5)
+    elsewhere = "cpu" if sc.q.device.type == "cuda" else "meta"
+    sinks = torch.zeros(4, device=elsewhere)
+    with pytest.raises(InvalidArgumentError, match="on one device"):
+        triton_attention(sc.q, sc.k_cache, sc.v_cache, sc.qsl, sc.seq_lens, sc.table,
+                         sinks=sinks)

@@ -303,3 +303,18 @@ def test_triton_bf16_queries_match_float64_latent_attention(case, launch):
                          lat[:, rank:], eye, eye, m, scale=scale)
         torch.testing.assert_close(got[start:start + q_len], want, rtol=1e-2, atol=1e-2)
         start += q_len
+
+
+def test_triton_refuses_a_rope_query_on_another_device():
+    """Every tensor of a Triton call on one device: a rope query elsewhere (the host's while
+    the rest is on the GPU, another GPU's) would reach the kernel as a foreign pointer."""
+    pytest.importorskip("triton")
+    from pagedkv.ops.triton.mla import paged_mla_latent as triton_mla_latent
+
+    sc = make_cache([9], 16, "bf16")
+    q_nope, q_rope, qsl, seq_lens = queries([(9, 1)])
+    w_uk, _ = weights()
+    elsewhere = "cpu" if q_rope.device.type == "cuda" else "meta"
+    with pytest.raises(InvalidArgumentError, match="on one device"):
+        triton_mla_latent(absorb_query(q_nope, w_uk), q_rope.to(elsewhere), sc.cache, qsl,
+                          seq_lens, sc.table, scale=0.3)

@@ -240,7 +240,7 @@ def paged_attention(
                  1.0 if v_scale is None else v_scale)
             return out
     check_attention_args(q, k_cache, v_cache, soft_cap, sinks)
-    check_device(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
+    check_device(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, sinks)
     check_index_tensors(query_start_loc, seq_lens, block_table)
     ks = _scale_pair(k_cache, k_scale, "k_scale")
     vs = _scale_pair(v_cache, v_scale, "v_scale")

@@ -18,13 +18,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_device(*tensors: torch.Tensor) -> None:
-    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
-    for t in tensors:
-        if t.device.type != "cuda" and not interpreting():
+def check_device(*tensors: torch.Tensor | None) -> None:
+    """Kernels run on CUDA tensors (or on CPU tensors under the interpreter), all on one
+    device: a kernel handed a pointer into another device's memory (or the host's) fails
+    inside Triton's launcher at best. None stands for an optional tensor not given."""
+    given = [t for t in tensors if t is not None]
+    for t in given[1:]:
+        if t.device != given[0].device:
             raise InvalidArgumentError(
-                f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1), got one on {t.device}"
-            )
+                f"the call's tensors must be on one device: {given[0].device} and {t.device}")
+    if given and given[0].device.type != "cuda" and not interpreting():
+        raise InvalidArgumentError(
+            f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1), got one on "
+            f"{given[0].device}")
 
 
 def capturing() -> bool:

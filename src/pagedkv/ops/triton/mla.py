@@ -626,7 +626,7 @@ def paged_mla_latent(
     check_latent_args(q_latent, q_rope, latent_cache)
     rows, heads, rank = q_latent.shape
     rope_dim = 0 if q_rope is None else q_rope.shape[-1]
-    check_device(q_latent, latent_cache, query_start_loc, seq_lens, block_table)
+    check_device(q_latent, q_rope, latent_cache, query_start_loc, seq_lens, block_table)
     check_index_tensors(query_start_loc, seq_lens, block_table)
     ds = latent_cache.dtype == torch.uint8
     width = latent_cache.shape[-1]
