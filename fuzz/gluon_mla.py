@@ -19,7 +19,9 @@ list, so a read outside a request's keys shows. What must hold:
   tests/dense_reference.py), within the GPU tests' bars: 1e-2 + 1e-2 x |reference| per
   element (bf16, fp16, e4m3), and for fp8_ds_mla the bar of tests/ops/test_ops_mla_gluon_ds.py
   (1e-2 in units of max(1, RMS)); and each request's relative Frobenius error under 1e-2
-  (fp8_ds_mla: 3e-3, as its tests), which an averaged output far below 1 needs (the
+  (fp8_ds_mla through its Gluon kernel: 3e-3, as its tests; calls of more than 16 rows a
+  request run the Triton kernel, whose bf16 products reached 4e-3 on sharp softmaxes: 1e-2),
+  which an averaged output far below 1 needs (the
   element bar alone misses a dropped key there). The progress lines count the cases by
   format and by their worst relative error (``rel<1e-3``, ``rel<3e-3``, ``rel<1e-2``).
 
@@ -188,6 +190,10 @@ def check(case: dict, args: argparse.Namespace) -> list[str]:
     except PagedKVError as e:
         raise harness.Refused(f"{type(e).__name__}: {e}") from None
     got = got.double()
+    # fp8_ds_mla calls of more than 16 rows a request run the Triton kernel (bf16 products):
+    # the general bar, not the Gluon kernel's 3e-3
+    triton_ds = case["fmt"] == "ds" and (case["kw"].get("gluon") is False
+                                         or max(q for _, q in seqs) * heads > 16)
     start, worst = 0, 0.0
     for b, (s, q_len) in enumerate(seqs):
         if q_len == 0:
@@ -203,7 +209,7 @@ def check(case: dict, args: argparse.Namespace) -> list[str]:
         err = (out - want).abs()
         unit = max(1.0, float(want.pow(2).mean().sqrt())) if case["fmt"] == "ds" else 1.0
         rel = float((out - want).norm() / want.norm().clamp_min(1e-30))
-        bar_rel = REL.get(case["fmt"], REL_DEFAULT)
+        bar_rel = REL_DEFAULT if triton_ds else REL.get(case["fmt"], REL_DEFAULT)
         if float((err - BAR * unit - BAR * want.abs()).max()) > 0 or rel > bar_rel:
             raise harness.Bad(f"request {b} (keys {s}, rows {q_len}): max error "
                               f"{float(err.max()):.3e} (bar {BAR} x {unit:.2f} + {BAR} x |ref|), "
