@@ -37,7 +37,6 @@ import argparse
 import math
 import random
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,16 +224,8 @@ def check(case: dict, args: argparse.Namespace) -> list[str]:
                               f"{float(err.max()):.3e} (bar {atol} x {unit:.2f} + {BAR} x |ref|), "
                               f"relative {rel:.2e} (bar {bar_rel})")
         worst = max(worst, rel)
-    return [case["fmt"], next((f"rel<{t}" for t in ("1e-3", "3e-3") if worst < float(t)),
-                              "rel<1e-2")]
-
-
-def setup(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        print("fuzz/gluon_mla.py: needs a CUDA GPU", file=sys.stderr)
-        sys.exit(2)
-    warnings.filterwarnings("ignore")
+    return [case["fmt"], harness.rel_tag(worst)]
 
 
 if __name__ == "__main__":
-    harness.main(__doc__, None, draw, describe, check, limit=300, setup=setup)
+    harness.main(__doc__, None, draw, describe, check, limit=300, setup=harness.require_cuda)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,16 +225,8 @@ def check(case: dict, args: argparse.Namespace) -> list[str]:
         bound = TOLERANCE[case["fmt"]] * max(1.0, float(want.abs().max()))
         if err > bound:
             raise harness.Bad(f"max error {err:.3e} over {bound:.1e}")
-    return [case["fmt"], next((f"rel<{t}" for t in ("1e-3", "3e-3") if worst < float(t)),
-                              "rel<1e-2")]
-
-
-def setup(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        print("fuzz/gpu_gqa.py: needs a CUDA GPU", file=sys.stderr)
-        sys.exit(2)
-    warnings.filterwarnings("ignore")
+    return [case["fmt"], harness.rel_tag(worst)]
 
 
 if __name__ == "__main__":
-    harness.main(__doc__, None, draw, describe, check, limit=300, setup=setup)
+    harness.main(__doc__, None, draw, describe, check, limit=300, setup=harness.require_cuda)

@@ -183,6 +183,25 @@ def main(doc: str | None, add_flags: Callable[[argparse.ArgumentParser], None] |
     sys.exit(run(args, draw, describe, check))
 
 
+def rel_tag(worst: float) -> str:
+    """A progress-line tag for a passing case's worst relative error (the kernel fuzzers'
+    bars stop at 1e-2)."""
+    return next((f"rel<{t}" for t in ("1e-3", "3e-3") if worst < float(t)), "rel<1e-2")
+
+
+def require_cuda(args: argparse.Namespace) -> None:
+    """``setup`` of the GPU-only fuzzers: one line and exit 2 where there is no CUDA GPU;
+    Triton's per-launch warnings off."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{os.path.relpath(sys.argv[0])}: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    warnings.filterwarnings("ignore")
+
+
 # pagedkv's errors that only a broken invariant raises (a block-manager check in checked
 # mode, inconsistent per-step metadata caught by the ops): from a valid command or API
 # call they are a bug even when the CLI prints them as its one error line, or the engine
