@@ -14,7 +14,9 @@ pages under it and charges them to the rank's one budget. A new block is, in ord
    from their emptiest pages (pages holding only cached blocks, fewest first).
 
 A block leaves the ledger when it goes back to the plain free list or is evicted for good;
-evicted-and-reused blocks stay in use (their pages never unmap in between).
+evicted-and-reused blocks stay in use (their pages never unmap in between). The ledger also
+knows which blocks are cached free (idle: every change to ``evictable`` tells it), so that
+what evicting them would free is a count per page, not a walk over the LRU.
 """
 
 from __future__ import annotations
@@ -107,6 +109,17 @@ class ElasticPool(BlockPool):
         self.ledger.release(self.pool_id, (b,))
         heapq.heappush(self.free, b)
 
+    def _evict_oldest(self) -> int:
+        """The LRU's oldest block, reused: it keeps holding data, no longer idle."""
+        b = super()._evict_oldest()
+        self.ledger.clear_idle(self.pool_id, (b,))
+        return b
+
+    def touch(self, blocks: list[BlockId], group_id: GroupId) -> None:
+        """A prefix hit: cached free blocks among ``blocks`` leave the LRU, no longer idle."""
+        super().touch(blocks, group_id)
+        self.ledger.clear_idle(self.pool_id, blocks)
+
     def _take_one(self) -> int:
         ledger = self.ledger
         pid = self.pool_id
@@ -190,6 +203,7 @@ class ElasticPool(BlockPool):
                     return [b]
             elif self.evictable:  # no plain id: the LRU's oldest, as the loop below takes it
                 b, _ = self.evictable.popitem(last=False)
+                self.ledger.clear_idle(self.pool_id, (b,))
                 h = self.block_hash[b]
                 g = group[b]
                 del self.caches[g][h]
@@ -223,6 +237,7 @@ class ElasticPool(BlockPool):
                 ref[b] = 1
                 group[b] = group_id
                 append(b)
+            self.ledger.clear_idle(self.pool_id, out)
             self.evictions += n
             self.epoch += n
             self.used[group_id] += n
@@ -267,6 +282,7 @@ class ElasticPool(BlockPool):
         null = self.null
         freed = 0
         plain = []
+        cached = []
         try:
             for b in blocks:
                 r = ref[b] - 1
@@ -279,10 +295,13 @@ class ElasticPool(BlockPool):
                         plain.append(b)
                     else:
                         evictable[b] = None
+                        cached.append(b)
                 elif b != null:
                     raise CacheCorruptedError(f"pool {self.pool_id}: block {b} released twice")
         finally:
             self.used[group_id] -= freed
+            if cached:
+                self.ledger.set_idle(self.pool_id, cached)
             if plain:
                 self.ledger.release(self.pool_id, plain)
                 for b in plain:
