@@ -4,12 +4,14 @@
 ledger on each allocation that needed a costly pool's reclaim: quadratic with blocks of
 one token and long contexts (fuzz/simulate.py seed 723762, minimax-m1 at block size 1: 63
 s, 70% of it there). The ledger now counts idle (cached free) blocks per page. These tests
-hold the new answer to the walk it replaced, on random ledgers and random manager runs.
+hold the new answer to the walk it replaced, on random ledgers and random manager runs,
+and check that one fit check no longer does work per cached block.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 from block_groups import _layer, group
@@ -200,6 +202,71 @@ def test_the_fit_checks_spare_bytes_are_the_walks(make, frees):
     assert any(k for k, _, _ in seen)  # with new blocks of the pool asked
     # and found pages to reclaim (the mixed pools' pages rarely are: its other checks)
     assert any(got for _, _, got in seen) or not frees
+
+
+# ---- one fit check: no work per cached block ---------------------------------------------
+
+def _fit_check_calls(cached):
+    """Python-level calls (functions and builtins) made by the fit checks of one admission
+    that a costly pool fails, with ``cached`` + 1 cached blocks in the other pool, each on a
+    page that also holds a live block (so they free nothing)."""
+    rec = Recurrent(1000)
+    lim = {"max_model_len": 1024, "max_batched_tokens": 64}
+    groups = [group(0, Full(), 1, 1, **lim),  # blocks of 4 KiB, 2 a page
+              group(1, rec, 1, 1, layers=tuple(_layer(f"r{i}", rec) for i in range(64)),
+                    **lim)]  # state slots of 64 KiB: 8 pages
+    page = 8 * KIB
+    m = KVCacheManager(groups, budget_bytes=(512 + 8 + 10) * page, page_bytes=page,
+                       recurrent_checkpoint_every=0, checked=False, **lim)
+    for rid in ("live", "old"):
+        m.add_request(rid, [len(rid)], max_new_tokens=1000)
+        m.find_cached_prefix(rid)
+        assert m.allocate(rid, 1)
+        m.commit(rid, 1, [0])
+    for i in range(cached):  # a block each per step: their blocks alternate on the pages
+        for rid in ("live", "old"):
+            assert m.allocate(rid, 1)
+            m.commit(rid, 1, [i])
+        m.drain_copy_ops()
+    m.free("old")  # its blocks stay cached, each beside one of "live"
+    while m.ledger.free_bytes() >= 8 * page:  # "live" alone, until a slot no longer fits
+        assert m.allocate("live", 1)
+        m.commit("live", 1, [0])
+        m.drain_copy_ops()
+    assert len(m.pools[0].evictable) == cached + 1
+    counts, spares = [], []
+    fits, spare = m._elastic_fits, m._spare_bytes
+
+    def counted(*args):
+        n = 0
+
+        def profile(frame, event, arg):
+            nonlocal n
+            n += event in ("call", "c_call")
+
+        sys.setprofile(profile)
+        try:
+            return fits(*args)
+        finally:
+            sys.setprofile(None)
+            counts.append(n)
+
+    def spare_seen(q, k, revived):
+        spares.append(spare(q, k, revived))
+        return spares[-1]
+
+    m._elastic_fits, m._spare_bytes = counted, spare_seen
+    m.add_request("new", [7, 7, 7, 7])
+    m.find_cached_prefix("new")
+    assert not m.allocate("new", 4)  # its state slot needs 8 pages: 7 free, none to reclaim
+    assert spares and not any(spares)  # the fit checks asked the cached pool, which had none
+    return counts
+
+
+def test_one_fit_check_does_no_work_per_cached_block_of_another_pool():
+    small, large = _fit_check_calls(100), _fit_check_calls(300)
+    # the walk made 14 calls per cached block: 1,492 and 4,292 per fit check before, 115 now
+    assert small == large
 
 
 def test_checked_mode_catches_a_cached_block_the_ledger_thinks_busy():
