@@ -282,3 +282,24 @@ def test_checked_mode_catches_a_cached_block_the_ledger_thinks_busy():
     m.ledger.clear_idle(pool.pool_id, [b])  # as if an LRU change had not been reported
     with pytest.raises(CacheCorruptedError, match="cached free"):
         m.check_invariants()
+
+
+def test_a_pool_alone_on_its_budget_does_not_report_idle_blocks():
+    # nobody else could reclaim its pages: the ledger is never asked, so not told either
+    # (the single-pool decode loop keeps its cost); two pools report theirs
+    alone = KVCacheManager([group(0, Full(), 4, 1, max_model_len=16)], checked=True,
+                           sweep_every=1, budget_bytes=20 * 32 * KIB, page_bytes=32 * KIB,
+                           max_model_len=64, max_batched_tokens=64)
+    pair = _big_beside_small(8)(checked=True, sweep_every=1)
+    for m in (alone, pair):
+        m.add_request("a", list(range(16)))
+        m.find_cached_prefix("a")
+        assert m.allocate("a", 16)
+        m.commit("a", 16, [1])
+        m.free("a")
+        m.check_invariants()
+    (pool,) = alone.pools
+    assert pool.evictable and not pool.report_idle and not alone.ledger.shared
+    assert not any(alone.ledger.is_idle(pool.pool_id, b) for b in pool.evictable)
+    assert all(p.report_idle for p in pair.pools) and pair.ledger.shared
+    assert all(pair.ledger.is_idle(p.pool_id, b) for p in pair.pools for b in p.evictable)

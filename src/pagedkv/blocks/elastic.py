@@ -14,9 +14,10 @@ pages under it and charges them to the rank's one budget. A new block is, in ord
    from their emptiest pages (pages holding only cached blocks, fewest first).
 
 A block leaves the ledger when it goes back to the plain free list or is evicted for good;
-evicted-and-reused blocks stay in use (their pages never unmap in between). The ledger also
-knows which blocks are cached free (idle: every change to ``evictable`` tells it), so that
-what evicting them would free is a count per page, not a walk over the LRU.
+evicted-and-reused blocks stay in use (their pages never unmap in between). When pools share
+the ledger, it also knows which blocks are cached free (idle: every change to ``evictable``
+tells it), so that what evicting them would give another pool is a count per page, not a
+walk over the LRU; a pool alone skips that bookkeeping (nobody asks).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class ElasticPool(BlockPool):
     """``num_blocks`` is the ceiling; ``floor`` blocks are always mapped (the ledger's)."""
 
     __slots__ = ("ledger", "fresh", "block_bytes", "floor", "peers", "protected", "lean",
-                 "worst_bytes")
+                 "worst_bytes", "report_idle")
 
     def __init__(self, num_blocks: int, pool_id: PoolId, events: EventLog | None,
                  reserve_null: bool, ledger: PageLedger, floor: int) -> None:
@@ -51,6 +52,7 @@ class ElasticPool(BlockPool):
         self.peers: tuple[ElasticPool, ...] = ()  # pools sharing the budget (set by the manager)
         self.protected = False  # an allocation in progress needs this pool's blocks
         self.lean = False  # the budget is short: reuse own cached blocks before new pages
+        self.report_idle = ledger.shared  # tell the ledger which blocks are cached free
 
     # --- counts ------------------------------------------------------------------------
     def num_plain_free(self) -> int:
@@ -112,13 +114,17 @@ class ElasticPool(BlockPool):
     def _evict_oldest(self) -> int:
         """The LRU's oldest block, reused: it keeps holding data, no longer idle."""
         b = super()._evict_oldest()
-        self.ledger.clear_idle(self.pool_id, (b,))
+        if self.report_idle:
+            self.ledger.clear_idle(self.pool_id, (b,))
         return b
 
     def touch(self, blocks: list[BlockId], group_id: GroupId) -> None:
-        """A prefix hit: cached free blocks among ``blocks`` leave the LRU, no longer idle."""
+        """A prefix hit: cached free blocks among ``blocks`` leave the LRU, no longer idle
+        (the ledger is asked only when some did: hit blocks are mostly shared, still held)."""
+        cached = len(self.evictable)
         super().touch(blocks, group_id)
-        self.ledger.clear_idle(self.pool_id, blocks)
+        if self.report_idle and len(self.evictable) != cached:
+            self.ledger.clear_idle(self.pool_id, blocks)
 
     def _take_one(self) -> int:
         ledger = self.ledger
@@ -203,7 +209,8 @@ class ElasticPool(BlockPool):
                     return [b]
             elif self.evictable:  # no plain id: the LRU's oldest, as the loop below takes it
                 b, _ = self.evictable.popitem(last=False)
-                self.ledger.clear_idle(self.pool_id, (b,))
+                if self.report_idle:
+                    self.ledger.clear_idle(self.pool_id, (b,))
                 h = self.block_hash[b]
                 g = group[b]
                 del self.caches[g][h]
@@ -237,7 +244,8 @@ class ElasticPool(BlockPool):
                 ref[b] = 1
                 group[b] = group_id
                 append(b)
-            self.ledger.clear_idle(self.pool_id, out)
+            if self.report_idle:
+                self.ledger.clear_idle(self.pool_id, out)
             self.evictions += n
             self.epoch += n
             self.used[group_id] += n
@@ -300,7 +308,7 @@ class ElasticPool(BlockPool):
                     raise CacheCorruptedError(f"pool {self.pool_id}: block {b} released twice")
         finally:
             self.used[group_id] -= freed
-            if cached:
+            if cached and self.report_idle:
                 self.ledger.set_idle(self.pool_id, cached)
             if plain:
                 self.ledger.release(self.pool_id, plain)

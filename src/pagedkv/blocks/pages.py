@@ -27,11 +27,12 @@ A release only moves counts: a page left empty is noted on a per-pool list and i
 page never touches the op queues. Every answer is the one settling at once would give; only the order of ops
 of one kind within a drain may differ.
 
-The manager also marks which blocks holding data are *idle* (:meth:`PageLedger.set_idle`:
-cached free blocks, which it may evict at any time; :meth:`~PageLedger.clear_idle` when one
-is taken back; a release clears the mark too). The ledger counts them per page, so
-:meth:`~PageLedger.idle_bytes_freed` -- what evicting them would give back -- costs
-O(pages) in C, not a Python loop over every idle block.
+When several pools share the budget (:attr:`PageLedger.shared`), the pools also mark which
+blocks holding data are *idle* (:meth:`PageLedger.set_idle`: cached free blocks, which they
+may evict at any time; :meth:`~PageLedger.clear_idle` when one is taken back; a release
+clears the mark too). The ledger counts them per page, so
+:meth:`~PageLedger.idle_bytes_freed` -- what evicting them would give back to another
+pool -- costs O(pages) in C, not a Python loop over every idle block.
 
 Standard library only; the ledger holds no memory, it only decides. Cost: O(pages a block
 touches) per block used or released (integer arithmetic and a count when no block
@@ -170,6 +171,9 @@ class PageLedger:
                 f"({floor * page_bytes} bytes), over the budget of {budget_bytes} bytes"
             )
         self._held = 0
+        # pools that could take pages from each other: only then is what a pool's idle
+        # blocks would free ever asked (its own allocations reuse them without asking)
+        self.shared = len(self._pools) > 1
         # page queues keyed by one int per page (page * number of pools + pool index), in
         # insertion order: no tuple or op object per page until ``drain``
         self._npools = len(self._pools)
@@ -495,27 +499,37 @@ class PageLedger:
         time (cached free blocks it can evict). Counted per page for
         :meth:`idle_bytes_freed`; a block already idle stays counted once."""
         p = self._pools.get(pool_id) or self._pool(pool_id)
-        used, idle, idle_count = p.block_used, p.idle, p.idle_count
-        for b in blocks:
-            if not (0 <= b < p.ceiling and used[b]):
+        used, idle, idle_count, ceiling = p.block_used, p.idle, p.idle_count, p.ceiling
+        k, bb, pb = p.per_page, p.bb, self.page_bytes
+        for b in blocks:  # (a request's cached blocks as it finishes: the page math inline)
+            if not (0 <= b < ceiling and used[b]):
                 self._check_block(p, b)
                 raise CacheCorruptedError(f"pool {pool_id}: block {b} idle but holds no data")
-            if not idle[b]:
-                idle[b] = 1
-                for pg in self._pages(p, b):
+            if idle[b]:
+                continue
+            idle[b] = 1
+            if k:
+                idle_count[b // k] += 1
+            else:
+                for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
                     idle_count[pg] += 1
 
     def clear_idle(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
         """These blocks are no longer idle (taken back into use, still holding data); a
         block that was not idle is left as is. (:meth:`release` clears the mark itself.)"""
         p = self._pools.get(pool_id) or self._pool(pool_id)
-        idle, idle_count = p.idle, p.idle_count
+        idle, idle_count, ceiling = p.idle, p.idle_count, p.ceiling
+        k, bb, pb = p.per_page, p.bb, self.page_bytes
         for b in blocks:
-            if not 0 <= b < p.ceiling:
+            if not 0 <= b < ceiling:
                 self._check_block(p, b)
-            if idle[b]:
-                idle[b] = 0
-                for pg in self._pages(p, b):
+            if not idle[b]:
+                continue
+            idle[b] = 0
+            if k:
+                idle_count[b // k] -= 1
+            else:
+                for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
                     idle_count[pg] -= 1
 
     def is_idle(self, pool_id: PoolId, block: BlockId) -> bool:
