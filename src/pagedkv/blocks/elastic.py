@@ -111,13 +111,6 @@ class ElasticPool(BlockPool):
         self.ledger.release(self.pool_id, (b,))
         heapq.heappush(self.free, b)
 
-    def _evict_oldest(self) -> int:
-        """The LRU's oldest block, reused: it keeps holding data, no longer idle."""
-        b = super()._evict_oldest()
-        if self.report_idle:
-            self.ledger.clear_idle(self.pool_id, (b,))
-        return b
-
     def touch(self, blocks: list[BlockId], group_id: GroupId) -> None:
         """A prefix hit: cached free blocks among ``blocks`` leave the LRU, no longer idle
         (the ledger is asked only when some did: hit blocks are mostly shared, still held)."""
@@ -136,7 +129,7 @@ class ElasticPool(BlockPool):
                 self._pop_plain()
                 ledger.use(pid, (b,))
                 return b
-        if self.evictable:
+        if self.evictable:  # (still idle in the ledger: allocate tells it, all at once)
             return self._evict_oldest()  # stays in use: its pages hold the new data
         if b >= 0 and self.reclaim(ledger.bytes_to_use(pid, (b,))):
             self._pop_plain()
@@ -210,7 +203,7 @@ class ElasticPool(BlockPool):
             elif self.evictable:  # no plain id: the LRU's oldest, as the loop below takes it
                 b, _ = self.evictable.popitem(last=False)
                 if self.report_idle:
-                    self.ledger.clear_idle(self.pool_id, (b,))
+                    self.ledger.clear_idle_one(self.pool_id, b)
                 h = self.block_hash[b]
                 g = group[b]
                 del self.caches[g][h]
@@ -251,8 +244,13 @@ class ElasticPool(BlockPool):
             self.used[group_id] += n
             return out
         out = self._take_lowest(n)
-        while len(out) < n:
-            out.append(self._take_one())
+        if len(out) < n:
+            try:
+                while len(out) < n:
+                    out.append(self._take_one())
+            finally:  # LRU blocks among them hold new data now: no longer idle (one call)
+                if self.report_idle:
+                    self.ledger.clear_idle(self.pool_id, out)
         for b in out:
             ref[b] = 1
             group[b] = group_id

@@ -498,39 +498,29 @@ class PageLedger:
         """These blocks, which hold data, are idle: their owner may release them at any
         time (cached free blocks it can evict). Counted per page for
         :meth:`idle_bytes_freed`; a block already idle stays counted once."""
-        p = self._pools.get(pool_id) or self._pool(pool_id)
-        used, idle, idle_count, ceiling = p.block_used, p.idle, p.idle_count, p.ceiling
-        k, bb, pb = p.per_page, p.bb, self.page_bytes
-        for b in blocks:  # (a request's cached blocks as it finishes: the page math inline)
-            if not (0 <= b < ceiling and used[b]):
-                self._check_block(p, b)
-                raise CacheCorruptedError(f"pool {pool_id}: block {b} idle but holds no data")
-            if idle[b]:
-                continue
-            idle[b] = 1
-            if k:
-                idle_count[b // k] += 1
-            else:
-                for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
-                    idle_count[pg] += 1
+        self._mark_idle(self._pools.get(pool_id) or self._pool(pool_id), blocks, 1)
 
     def clear_idle(self, pool_id: PoolId, blocks: Iterable[BlockId]) -> None:
         """These blocks are no longer idle (taken back into use, still holding data); a
         block that was not idle is left as is. (:meth:`release` clears the mark itself.)"""
+        self._mark_idle(self._pools.get(pool_id) or self._pool(pool_id), blocks, 0)
+
+    def clear_idle_one(self, pool_id: PoolId, block: BlockId) -> None:
+        """:meth:`clear_idle` of one block, inline: the LRU's oldest block taken for new
+        data, one call per block when the budget is short."""
         p = self._pools.get(pool_id) or self._pool(pool_id)
-        idle, idle_count, ceiling = p.idle, p.idle_count, p.ceiling
-        k, bb, pb = p.per_page, p.bb, self.page_bytes
-        for b in blocks:
-            if not 0 <= b < ceiling:
-                self._check_block(p, b)
-            if not idle[b]:
-                continue
-            idle[b] = 0
+        if not 0 <= block < p.ceiling:
+            self._check_block(p, block)
+        idle = p.idle
+        if idle[block]:
+            idle[block] = 0
+            k = p.per_page
             if k:
-                idle_count[b // k] -= 1
+                p.idle_count[block // k] -= 1
             else:
-                for pg in range(b * bb // pb, ((b + 1) * bb - 1) // pb + 1):
-                    idle_count[pg] -= 1
+                for pg in range(block * p.bb // self.page_bytes,
+                                ((block + 1) * p.bb - 1) // self.page_bytes + 1):
+                    p.idle_count[pg] -= 1
 
     def is_idle(self, pool_id: PoolId, block: BlockId) -> bool:
         p = self._pool(pool_id)
@@ -749,6 +739,31 @@ class PageLedger:
             raise InvalidArgumentError(
                 f"no pool {pool_id} in the page ledger (pools: {sorted(self._pools)})")
         return p
+
+    def _mark_idle(self, p: _PoolPages, blocks: Iterable[BlockId], value: int) -> None:
+        """Set these blocks' idle flags to ``value`` (1 or 0) and move the page counts of
+        those whose flag changes, the page arithmetic inline (a request's cached blocks as
+        it finishes: thousands at block size 1). Only a block holding data can be idle."""
+        used, idle, idle_count, ceiling = p.block_used, p.idle, p.idle_count, p.ceiling
+        k, bb, pb = p.per_page, p.bb, self.page_bytes
+        step = 1 if value else -1
+        for b in blocks:
+            if not (0 <= b < ceiling and (used[b] or not value)):
+                self._check_block(p, b)
+                raise CacheCorruptedError(
+                    f"pool {p.spec.pool_id}: block {b} idle but holds no data")
+            if idle[b] == value:
+                continue
+            idle[b] = value
+            if k:
+                idle_count[b // k] += step
+                continue
+            lo = b * bb // pb
+            hi = ((b + 1) * bb - 1) // pb
+            idle_count[lo] += step
+            while hi > lo:  # the block reaches further pages
+                idle_count[hi] += step
+                hi -= 1
 
     def _pages(self, p: _PoolPages, block: int) -> range:
         """Pages block ``block`` of ``p`` overlaps (:meth:`pages_of` without the checks)."""
