@@ -26,8 +26,14 @@
 8. ``--only calls``: each kind of call of the loop timed apart, decode steps split into
    calls that cross a block boundary and calls that do not.
 7. ``--only sim``: the issue's simulator runs, elastic pools against fixed pools.
+9. ``--only reclaim``: fuzz/simulate.py seed 723762's run (minimax-m1, long-context, blocks
+   of one token, 1 GiB, recurrent checkpoints every 4 blocks: elastic fit checks asking a
+   full-attention pool of thousands of cached blocks what it could give back), as
+   ``pagedkv simulate`` in a fresh process (start-up included); with ``--baseline-src``
+   the same on that tree too, alternating, and the ratio of the medians. ``--quick``: 20
+   of its 57 requests.
 
-Usage: python benchmarks/blocks.py [--quick] [--json] [--only PART]
+Usage: python benchmarks/blocks.py [--quick] [--json] [--only PART] [--baseline-src DIR]
 """
 
 from __future__ import annotations
@@ -534,17 +540,58 @@ def bench_sim() -> list[dict]:
     return out
 
 
+# fuzz/simulate.py seed 723762 without --checked (the fuzzer's --checked changes no answer)
+RECLAIM_ARGS = ("simulate", "minimax-m1", "--json", "--seed", "723762", "--workload",
+                "long-context", "--max-model-len", "4096", "--block-size", "1", "--memory",
+                "1GiB", "--checkpoint-every=4", "--hash", "sha256")
+
+
+def _simulate_in(src: str, requests: int) -> tuple[float, str]:
+    """Wall seconds and stdout of ``pagedkv simulate`` (RECLAIM_ARGS) in a fresh process
+    importing pagedkv from ``src``."""
+    env = dict(os.environ, PYTHONPATH=src)
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "pagedkv", *RECLAIM_ARGS, "--requests",
+                          str(requests)], check=True, capture_output=True, text=True,
+                         env=env).stdout
+    return time.perf_counter() - t0, out
+
+
+def bench_reclaim(requests: int = 57, baseline_src: str | None = None, rounds: int = 1) -> dict:
+    """The seed's run on this tree and, with ``baseline_src``, on that one (the order
+    alternating between rounds); the two must print the same result."""
+    trees = {"current": _src_dir()}
+    if baseline_src is not None:
+        trees["baseline"] = baseline_src
+    walls: dict[str, list[float]] = {t: [] for t in trees}
+    outputs = set()
+    for i in range(rounds):
+        for t in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
+            wall, out = _simulate_in(trees[t], requests)
+            walls[t].append(round(wall, 2))
+            outputs.add(out)
+    res: dict = {"command": "pagedkv " + " ".join(RECLAIM_ARGS) + f" --requests {requests}",
+                 "baseline_src": baseline_src, "wall_s": walls,
+                 "same_output": len(outputs) == 1, "load_avg_1min": round(os.getloadavg()[0], 2)}
+    if baseline_src is not None:
+        res["ratio_baseline_vs_current"] = round(statistics.median(walls["baseline"])
+                                                 / statistics.median(walls["current"]), 2)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", choices=("decode", "admission", "hash", "loop", "calls", "vllm",
-                                       "checked", "sim"))
+                                       "checked", "sim", "reclaim"))
     ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python",
                     help="the peer venv's python (../shared/peers/setup_vllm_peer.sh)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds against vLLM")
-    ap.add_argument("--baseline-src", help="--only vllm: also run each round's loop on the "
-                    "pagedkv of this src/ directory (e.g. `git archive` of an older commit)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds against vLLM "
+                    "(or the baseline tree: --only reclaim)")
+    ap.add_argument("--baseline-src", help="--only vllm / reclaim: also run each round's loop "
+                    "(simulation) on the pagedkv of this src/ directory (e.g. `git archive` of "
+                    "an older commit)")
     args = ap.parse_args(argv)
     steps = 32 if args.quick else 256
     res: dict = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -568,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
         res["checked"] = bench_checked(20 if args.quick else 100)
     if args.only in (None, "sim"):
         res["sim"] = bench_sim()
+    if args.only in (None, "reclaim"):
+        res["reclaim"] = bench_reclaim(20 if args.quick else 57, args.baseline_src,
+                                       args.rounds if args.baseline_src else 1)
     if args.only == "vllm":  # needs the peer venv: never part of the default run
         res["vs_vllm"] = bench_vs_vllm(args.vllm_python, args.rounds,
                                        200 if args.quick else 2000, args.baseline_src)

@@ -124,6 +124,10 @@ def _sweep_pool(pool, owners: list[int]) -> None:  # noqa: ANN001
             data = pool.ref[b] > 0 or pool.block_hash[b] is not None
             _require(ledger.holds_data(pid, b) == data, "the page ledger knows which blocks hold data",
                      f"pool {pid} block {b}: ledger {ledger.holds_data(pid, b)}, pool {data}")
+            _require(ledger.is_idle(pid, b) == (pool.report_idle and b in pool.evictable),
+                     "the page ledger knows which blocks are cached free (idle)",
+                     f"pool {pid} block {b}: ledger {ledger.is_idle(pid, b)}, pool "
+                     f"{b in pool.evictable} (reported: {pool.report_idle})")
             if data:
                 _require(ledger.is_mapped(pid, b), "blocks holding data lie on mapped pages",
                          f"pool {pid} block {b} (ref {pool.ref[b]}) is on an unmapped page")
@@ -187,6 +191,10 @@ def block_state(pool: BlockPool, b: int) -> None:
         if ledger.holds_data(pid, b) != data:
             _require(False, "the page ledger knows which blocks hold data",
                      f"pool {pid} block {b}: ledger {ledger.holds_data(pid, b)}, pool {data}")
+        if ledger.is_idle(pid, b) != (pool.report_idle and b in pool.evictable):
+            _require(False, "the page ledger knows which blocks are cached free (idle)",
+                     f"pool {pid} block {b}: ledger {ledger.is_idle(pid, b)}, pool "
+                     f"{b in pool.evictable} (reported: {pool.report_idle})")
         if data and not ledger.is_mapped(pid, b):
             _require(False, "blocks holding data lie on mapped pages",
                      f"pool {pid} block {b} (ref {ref}) is on an unmapped page")

@@ -14,7 +14,10 @@ pages under it and charges them to the rank's one budget. A new block is, in ord
    from their emptiest pages (pages holding only cached blocks, fewest first).
 
 A block leaves the ledger when it goes back to the plain free list or is evicted for good;
-evicted-and-reused blocks stay in use (their pages never unmap in between).
+evicted-and-reused blocks stay in use (their pages never unmap in between). When pools share
+the ledger, it also knows which blocks are cached free (idle: every change to ``evictable``
+tells it), so that what evicting them would give another pool is a count per page, not a
+walk over the LRU; a pool alone skips that bookkeeping (nobody asks).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class ElasticPool(BlockPool):
     """``num_blocks`` is the ceiling; ``floor`` blocks are always mapped (the ledger's)."""
 
     __slots__ = ("ledger", "fresh", "block_bytes", "floor", "peers", "protected", "lean",
-                 "worst_bytes")
+                 "worst_bytes", "report_idle")
 
     def __init__(self, num_blocks: int, pool_id: PoolId, events: EventLog | None,
                  reserve_null: bool, ledger: PageLedger, floor: int) -> None:
@@ -49,6 +52,7 @@ class ElasticPool(BlockPool):
         self.peers: tuple[ElasticPool, ...] = ()  # pools sharing the budget (set by the manager)
         self.protected = False  # an allocation in progress needs this pool's blocks
         self.lean = False  # the budget is short: reuse own cached blocks before new pages
+        self.report_idle = ledger.shared  # tell the ledger which blocks are cached free
 
     # --- counts ------------------------------------------------------------------------
     def num_plain_free(self) -> int:
@@ -107,6 +111,14 @@ class ElasticPool(BlockPool):
         self.ledger.release(self.pool_id, (b,))
         heapq.heappush(self.free, b)
 
+    def touch(self, blocks: list[BlockId], group_id: GroupId) -> None:
+        """A prefix hit: cached free blocks among ``blocks`` leave the LRU, no longer idle
+        (the ledger is asked only when some did: hit blocks are mostly shared, still held)."""
+        cached = len(self.evictable)
+        super().touch(blocks, group_id)
+        if self.report_idle and len(self.evictable) != cached:
+            self.ledger.clear_idle(self.pool_id, blocks)
+
     def _take_one(self) -> int:
         ledger = self.ledger
         pid = self.pool_id
@@ -117,7 +129,7 @@ class ElasticPool(BlockPool):
                 self._pop_plain()
                 ledger.use(pid, (b,))
                 return b
-        if self.evictable:
+        if self.evictable:  # (still idle in the ledger: allocate tells it, all at once)
             return self._evict_oldest()  # stays in use: its pages hold the new data
         if b >= 0 and self.reclaim(ledger.bytes_to_use(pid, (b,))):
             self._pop_plain()
@@ -190,6 +202,8 @@ class ElasticPool(BlockPool):
                     return [b]
             elif self.evictable:  # no plain id: the LRU's oldest, as the loop below takes it
                 b, _ = self.evictable.popitem(last=False)
+                if self.report_idle:
+                    self.ledger.clear_idle_one(self.pool_id, b)
                 h = self.block_hash[b]
                 g = group[b]
                 del self.caches[g][h]
@@ -223,13 +237,20 @@ class ElasticPool(BlockPool):
                 ref[b] = 1
                 group[b] = group_id
                 append(b)
+            if self.report_idle:
+                self.ledger.clear_idle(self.pool_id, out)
             self.evictions += n
             self.epoch += n
             self.used[group_id] += n
             return out
         out = self._take_lowest(n)
-        while len(out) < n:
-            out.append(self._take_one())
+        if len(out) < n:
+            try:
+                while len(out) < n:
+                    out.append(self._take_one())
+            finally:  # LRU blocks among them hold new data now: no longer idle (one call)
+                if self.report_idle:
+                    self.ledger.clear_idle(self.pool_id, out)
         for b in out:
             ref[b] = 1
             group[b] = group_id
@@ -267,6 +288,7 @@ class ElasticPool(BlockPool):
         null = self.null
         freed = 0
         plain = []
+        cached = []
         try:
             for b in blocks:
                 r = ref[b] - 1
@@ -279,10 +301,13 @@ class ElasticPool(BlockPool):
                         plain.append(b)
                     else:
                         evictable[b] = None
+                        cached.append(b)
                 elif b != null:
                     raise CacheCorruptedError(f"pool {self.pool_id}: block {b} released twice")
         finally:
             self.used[group_id] -= freed
+            if cached and self.report_idle:
+                self.ledger.set_idle(self.pool_id, cached)
             if plain:
                 self.ledger.release(self.pool_id, plain)
                 for b in plain:
