@@ -241,8 +241,7 @@ class PageLedger:
         """Pages block ``block`` of the pool overlaps."""
         p = self._pool(pool_id)
         self._check_block(p, block)
-        bb, pb = p.spec.block_bytes, self.page_bytes
-        return range(block * bb // pb, ((block + 1) * bb - 1) // pb + 1)
+        return self._pages(p, block)
 
     def blocks_on_page(self, pool_id: PoolId, page: int) -> range:
         """Blocks of the pool that overlap page ``page`` (all of them lose their bytes if
@@ -518,8 +517,7 @@ class PageLedger:
             if k:
                 p.idle_count[block // k] -= 1
             else:
-                for pg in range(block * p.bb // self.page_bytes,
-                                ((block + 1) * p.bb - 1) // self.page_bytes + 1):
+                for pg in self._pages(p, block):
                     p.idle_count[pg] -= 1
 
     def is_idle(self, pool_id: PoolId, block: BlockId) -> bool:
@@ -766,7 +764,8 @@ class PageLedger:
                 hi -= 1
 
     def _pages(self, p: _PoolPages, block: int) -> range:
-        """Pages block ``block`` of ``p`` overlaps (:meth:`pages_of` without the checks)."""
+        """Pages block ``block`` of ``p`` overlaps (:meth:`pages_of` without the checks; the
+        one place of that arithmetic outside the loops that inline it for speed)."""
         bb, pb = p.bb, self.page_bytes
         return range(block * bb // pb, ((block + 1) * bb - 1) // pb + 1)
 
